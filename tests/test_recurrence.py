@@ -1,0 +1,239 @@
+"""Recurrence sampler and curricula: exact schedule values, determinism, moments, input checks."""
+
+import math
+import time
+
+import pytest
+import torch
+
+from titan_recur.recurrence import (
+    Curriculum,
+    RecurrenceSampler,
+    RecurrenceSchedule,
+    expected_total,
+    generator_seed,
+    variance_total,
+)
+
+N_DRAWS = 20_000
+
+
+def _draw_totals(sampler: RecurrenceSampler, mean: int, depth: int) -> list[tuple[int, int]]:
+    """N_DRAWS draws, one per step (each step seeds a fresh generator)."""
+    return [sampler.sample(mean, depth, step=step) for step in range(N_DRAWS)]
+
+
+def _fourth_central_moment(mean: int, sigma: float, mean_offset: bool) -> float:
+    """mu4 of p = Poisson(tau) + 1: Poisson factorial moments are E[tau^j], mixed via Stirling numbers."""
+    tau_mean = mean if mean_offset else mean - 1
+    mu = math.log(tau_mean) - sigma**2 / 2
+
+    def tau_moment(j: int) -> float:
+        return math.exp(j * mu + j * j * sigma**2 / 2)
+
+    stirling2 = {1: (1,), 2: (1, 1), 3: (1, 3, 1), 4: (1, 7, 6, 1)}
+    raw = {j: sum(c * tau_moment(i + 1) for i, c in enumerate(row)) for j, row in stirling2.items()}
+    m = raw[1]
+    return raw[4] - 4 * m * raw[3] + 6 * m**2 * raw[2] - 3 * m**4
+
+
+# ---------------------------------------------------------------- curriculum
+
+
+def test_one_minus_sqrt_curriculum_exact_values():
+    c = Curriculum("1-sqrt", max_value=32, total_steps=50_000, warmup_fraction=0.75)
+    expected = {
+        0: 1,
+        2307: 1,
+        2308: 2,
+        4541: 2,
+        4542: 3,
+        6701: 3,
+        6702: 4,
+        37_463: 31,
+        37_464: 32,
+        37_499: 32,
+        37_500: 32,
+        49_999: 32,
+        50_000: 32,
+        60_000: 32,
+    }
+    assert {step: c.value(step) for step in expected} == expected
+
+
+def test_one_minus_sqrt_curriculum_is_monotone_and_ends_at_max():
+    c = Curriculum("1-sqrt", max_value=32, total_steps=50_000, warmup_fraction=0.75)
+    values = [c.value(step) for step in range(0, 37_600, 7)]
+    assert all(a <= b for a, b in zip(values, values[1:]))
+    assert values[0] == 1 and values[-1] == 32
+
+
+def test_curriculum_exact_at_integer_boundaries():
+    # 10 * (1 - sqrt(1 - 255/500)) is exactly 3; float arithmetic gives 3.0000000000000004 -> 4.
+    c = Curriculum("1-sqrt", max_value=10, total_steps=1000, warmup_fraction=0.5)
+    assert c.value(255) == 3
+    assert c.value(256) == 4
+
+
+def test_linear_curriculum_exact_values():
+    # W = 500; value = max(2, ceil(10 * step / 500)).
+    c = Curriculum("linear", max_value=10, total_steps=1000, warmup_fraction=0.5, start=2)
+    expected = {0: 2, 50: 2, 100: 2, 101: 3, 450: 9, 451: 10, 499: 10, 500: 10, 999: 10}
+    assert {step: c.value(step) for step in expected} == expected
+
+
+def test_none_curriculum_and_zero_warmup_are_constant():
+    for c in (
+        Curriculum("none", max_value=16, total_steps=1000, warmup_fraction=0.5),
+        Curriculum("linear", max_value=16, total_steps=1000, warmup_fraction=0.0),
+    ):
+        assert {c.value(step) for step in range(0, 2000, 13)} == {16}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(kind="cosine"), r"one of \('none', 'linear', '1-sqrt'\)"),
+        (dict(max_value=0, start=1), "max_value must be an integer >= 1"),
+        (dict(max_value=4, start=8), r"max_value \(4\) must be >= start \(8\)"),
+        (dict(start=0), "start must be an integer >= 1"),
+        (dict(warmup_fraction=1.5), r"warmup_fraction must be in \[0, 1\]"),
+        (dict(warmup_fraction=-0.1), r"warmup_fraction must be in \[0, 1\]"),
+        (dict(total_steps=0), "total_steps must be an integer >= 1"),
+    ],
+)
+def test_curriculum_rejects_bad_config(kwargs, match):
+    config = dict(kind="linear", max_value=32, total_steps=1000, warmup_fraction=0.5) | kwargs
+    with pytest.raises(ValueError, match=match):
+        Curriculum(**config)
+
+
+def test_curriculum_rejects_negative_step():
+    with pytest.raises(ValueError, match="step must be an integer >= 0"):
+        Curriculum("linear", max_value=32, total_steps=1000, warmup_fraction=0.5).value(-1)
+
+
+# ---------------------------------------------------------------- sampler determinism
+
+
+def test_same_draws_on_fresh_samplers():
+    """Two ranks (or a restarted run) build their own sampler and must agree draw for draw."""
+    a, b = RecurrenceSampler(), RecurrenceSampler()
+    keys = [(step, micro) for step in (0, 1, 17, 123_456) for micro in range(4)]
+    assert [a.sample(32, 8, step, micro) for step, micro in keys] == [b.sample(32, 8, step, micro) for step, micro in keys]
+
+
+def test_draws_vary_with_step_micro_step_and_seed():
+    sampler = RecurrenceSampler()
+    assert len({sampler.sample(32, 8, step) for step in range(50)}) > 5
+    assert len({sampler.sample(32, 8, 7, micro) for micro in range(50)}) > 5
+    other = RecurrenceSampler(seed=1)
+    assert [sampler.sample(32, 8, step) for step in range(50)] != [other.sample(32, 8, step) for step in range(50)]
+
+
+def test_generator_seed_mixing():
+    assert generator_seed(514229, 0, 0) == 514229
+    assert generator_seed(514229, 2, 3) == 514229 + 2 * 1_000_003 + 3
+    assert generator_seed(2**64 - 1, 0, 1) == 0
+    with pytest.raises(ValueError, match="micro_step"):
+        generator_seed(0, 0, 1_000_003)
+    with pytest.raises(ValueError, match="step must be an integer >= 0"):
+        generator_seed(0, -1, 0)
+
+
+def test_sampler_ignores_and_preserves_global_rng():
+    sampler = RecurrenceSampler()
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    first = [sampler.sample(32, 8, step) for step in range(20)]
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(12345)
+    assert [sampler.sample(32, 8, step) for step in range(20)] == first
+
+
+def test_mean_offset_false_at_mean_one_is_deterministic():
+    sampler = RecurrenceSampler(mean_offset=False)
+    assert {sampler.sample(1, 8, step) for step in range(200)} == {(0, 1)}
+    assert expected_total(1, mean_offset=False) == 1.0
+    assert variance_total(1, mean_offset=False) == 0.0
+
+
+# ---------------------------------------------------------------- sampler distribution
+
+# Standard errors at N = 20,000 (sigma = 0.5), from the exact moments (_fourth_central_moment):
+#   mean:     sqrt(Var[p] / N) / E[p]         ~ 0.4% for every r here -> 2% is > 4.5 SE, safe.
+#   variance: sqrt((mu4 - Var^2) / N) / Var   ~ 1.6% (r = 2) .. 1.9% (r = 32): the lognormal
+#             tail is heavy (excess kurtosis ~ 5.9), so 2% is only ~1.1 SE and would fail ~25%
+#             of the time in expectation at any r. The variance is checked to 4 SE (< 8%) instead;
+#             2% would need ~270k draws per case.
+@pytest.mark.parametrize(
+    ("mean", "mean_offset"),
+    [(4, True), (8, True), (32, True), (2, False), (8, False), (32, False)],
+)
+def test_total_mean_and_variance_match_theory(mean, mean_offset):
+    depth = 8
+    sampler = RecurrenceSampler(mean_offset=mean_offset)
+    start = time.perf_counter()
+    draws = _draw_totals(sampler, mean, depth)
+    assert time.perf_counter() - start < 5.0
+
+    grad_window = min(depth, mean)
+    for n, k in draws:
+        p = n + k
+        assert k == min(p, grad_window) and n == max(p - grad_window, 0)
+        assert 1 <= k <= depth
+
+    totals = torch.tensor([n + k for n, k in draws], dtype=torch.float64)
+    want_mean = expected_total(mean, mean_offset=mean_offset)
+    want_var = variance_total(mean, mean_offset=mean_offset)
+    assert totals.mean().item() == pytest.approx(want_mean, rel=0.02)
+
+    var_se = math.sqrt((_fourth_central_moment(mean, 0.5, mean_offset) - want_var**2) / N_DRAWS)
+    assert abs(totals.var().item() - want_var) < 4 * var_se
+    assert 4 * var_se / want_var < 0.08
+
+
+def test_mean_offset_shifts_expected_total_by_one():
+    assert expected_total(8) == 9.0
+    assert expected_total(8, mean_offset=False) == 8.0
+    assert variance_total(8) == pytest.approx(8 + math.expm1(0.25) * 64)
+    assert variance_total(8, mean_offset=False) == pytest.approx(7 + math.expm1(0.25) * 49)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("mean", "depth", "match"),
+    [(0, 8, "mean recurrence must be an integer >= 1"), (4, 0, "backprop_depth must be an integer >= 1")],
+)
+def test_sampler_rejects_bad_depths(mean, depth, match):
+    with pytest.raises(ValueError, match=match):
+        RecurrenceSampler().sample(mean, depth, step=0)
+
+
+def test_sampler_rejects_bad_sigma():
+    with pytest.raises(ValueError, match="sigma"):
+        RecurrenceSampler(sigma=-0.1)
+
+
+# ---------------------------------------------------------------- schedule
+
+
+def test_schedule_combines_curricula_and_sampler():
+    mean = Curriculum("1-sqrt", max_value=32, total_steps=50_000, warmup_fraction=0.75)
+    depth = Curriculum("linear", max_value=8, total_steps=50_000, warmup_fraction=0.5, start=2)
+    schedule = RecurrenceSchedule(mean, backprop_depth=depth)
+    assert (schedule.mean(0), schedule.backprop_depth(0)) == (1, 2)
+    assert (schedule.mean(40_000), schedule.backprop_depth(40_000)) == (32, 8)
+    for step in (0, 5000, 40_000):
+        n, k = schedule.sample(step, micro_step=3)
+        assert (n, k) == RecurrenceSampler().sample(schedule.mean(step), schedule.backprop_depth(step), step, 3)
+        assert 1 <= k <= schedule.backprop_depth(step)
+
+
+def test_schedule_default_depth_is_fixed_eight():
+    schedule = RecurrenceSchedule(Curriculum("none", max_value=16, total_steps=100, warmup_fraction=0.0))
+    assert {schedule.backprop_depth(step) for step in range(100)} == {8}
+    with pytest.raises(ValueError, match="backprop_depth"):
+        RecurrenceSchedule(schedule._mean, backprop_depth=0)

@@ -1,0 +1,6 @@
+"""titan_recur: retrofit depth recurrence into pretrained LMs and train it at cluster scale."""
+
+from titan_recur.models import ModelArgs, RecurrentLM, greedy_generate
+from titan_recur.models.io import load_model, save_model
+
+__all__ = ["ModelArgs", "RecurrentLM", "greedy_generate", "load_model", "save_model"]

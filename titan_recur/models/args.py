@@ -1,0 +1,145 @@
+"""Model shape and behaviour of a depth-recurrent LM (SPEC §1), plus source-model presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+BLOCK_TYPES = ("llama", "olmo2")
+STATE_INITS = ("normal", "zero", "embed")
+ADAPTER_INITS = ("identity", "random")
+
+
+@dataclass
+class ModelArgs:
+    """Everything needed to build the model; serialised as the converted folder's config.json.
+
+    A static (non-recurrent) model has ``n_core == 0``: no adapter, no loop.
+    """
+
+    vocab_size: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    n_prelude: int
+    n_core: int
+    n_coda: int
+    block_type: str = "llama"
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # HF-style rope_scaling dict, e.g. {"rope_type": "llama3", "factor": 32.0, ...}; None = plain RoPE.
+    rope_scaling: dict[str, Any] | None = None
+    max_seq_len: int = 4096
+    tie_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    state_init: str = "normal"
+    # std of the truncated-normal state init; None means the natural sqrt(2 / (5 d)).
+    state_std: float | None = None
+    adapter_init: str = "identity"
+    # Iterations used when forward() is called without num_steps (eval default, HF export default).
+    mean_recurrence: int = 1
+    bos_id: int | None = None
+    eos_id: int | None = None
+    pad_id: int | None = None
+    # Provenance: the source-model layer indices kept in each part (informational).
+    source_layers: dict[str, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_type not in BLOCK_TYPES:
+            raise ValueError(f"model block_type must be one of {BLOCK_TYPES}, got {self.block_type!r}")
+        if self.state_init not in STATE_INITS:
+            raise ValueError(f"model state_init must be one of {STATE_INITS}, got {self.state_init!r}")
+        if self.adapter_init not in ADAPTER_INITS:
+            raise ValueError(f"model adapter_init must be one of {ADAPTER_INITS}, got {self.adapter_init!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if min(self.n_prelude, self.n_core, self.n_coda) < 0:
+            raise ValueError("layer counts must be >= 0")
+
+    @property
+    def is_recurrent(self) -> bool:
+        return self.n_core > 0
+
+    @property
+    def effective_state_std(self) -> float:
+        return self.state_std if self.state_std is not None else math.sqrt(2.0 / (5.0 * self.dim))
+
+    def effective_depth(self, num_iterations: int) -> int:
+        """Blocks traversed per token at r iterations: P + R*r + C."""
+        return self.n_prelude + self.n_core * num_iterations + self.n_coda
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ModelArgs":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys: {unknown}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class SourcePreset:
+    """Shape of a pretrained source model, so shapes and FLOPs need no download."""
+
+    hf_id: str
+    n_layers: int
+    default_shape: tuple[int, int, int]
+    args: dict[str, Any]
+
+    def model_args(self, n_prelude: int, n_core: int, n_coda: int, **overrides: Any) -> ModelArgs:
+        if n_prelude + n_core + n_coda > self.n_layers:
+            raise ValueError(
+                f"shape {n_prelude},{n_core},{n_coda} needs {n_prelude + n_core + n_coda} layers; "
+                f"{self.hf_id} has {self.n_layers}"
+            )
+        return ModelArgs(n_prelude=n_prelude, n_core=n_core, n_coda=n_coda, **{**self.args, **overrides})
+
+
+_LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+PRESETS: dict[str, SourcePreset] = {
+    "tinyllama-1.1b": SourcePreset(
+        hf_id="TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
+        n_layers=22,
+        default_shape=(4, 8, 4),
+        args=dict(
+            vocab_size=32000, dim=2048, n_heads=32, n_kv_heads=4, head_dim=64, ffn_dim=5632,
+            norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=False, max_seq_len=2048,
+            bos_id=1, eos_id=2,
+        ),
+    ),
+    "llama3.2-1b": SourcePreset(
+        hf_id="meta-llama/Llama-3.2-1B",
+        n_layers=16,
+        default_shape=(4, 6, 4),
+        args=dict(
+            vocab_size=128256, dim=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192,
+            norm_eps=1e-5, rope_theta=500000.0, rope_scaling=dict(_LLAMA3_SCALING),
+            tie_embeddings=False, max_seq_len=131072, bos_id=128000, eos_id=128001,
+        ),
+    ),
+    "olmo2-1b": SourcePreset(
+        hf_id="allenai/OLMo-2-0425-1B",
+        n_layers=16,
+        default_shape=(4, 6, 4),
+        args=dict(
+            vocab_size=100352, dim=2048, n_heads=16, n_kv_heads=16, head_dim=128, ffn_dim=8192,
+            block_type="olmo2", norm_eps=1e-6, rope_theta=500000.0, tie_embeddings=False,
+            max_seq_len=4096, bos_id=100257, eos_id=100257, pad_id=100277,
+        ),
+    ),
+}

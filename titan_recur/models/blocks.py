@@ -1,0 +1,137 @@
+"""Transformer blocks of the source models, unchanged: Llama (pre-norm) and OLMo-2 (post-norm + QK-norm).
+
+Submodule names follow HF's (self_attn.q_proj, mlp.gate_proj, input_layernorm, ...) so a converted
+checkpoint is the source checkpoint with renumbered layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_recur.models.args import ModelArgs
+from titan_recur.models.rope import apply_rope
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as both source families do."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+@dataclass
+class AttentionContext:
+    """Per-forward inputs shared by every block and every iteration: RoPE tables, mask, KV cache."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    # Boolean (B, 1, T, S) mask, True = attend; None means plain causal attention without a cache.
+    mask: torch.Tensor | None = None
+    cache: "KVCache | None" = None
+
+
+class KVCache:
+    """Keys/values per attention slot; the recurrent core has one slot per (core block, iteration)."""
+
+    def __init__(self) -> None:
+        self.slots: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.length = 0
+
+    def update(self, slot: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if slot in self.slots:
+            past_k, past_v = self.slots[slot]
+            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        self.slots[slot] = (k, v)
+        return k, v
+
+
+class Attention(nn.Module):
+    """GQA causal self-attention with RoPE; OLMo-2 adds RMSNorm over the full projected q and k."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.q_proj = nn.Linear(args.dim, q_dim, bias=args.attention_bias)
+        self.k_proj = nn.Linear(args.dim, kv_dim, bias=args.attention_bias)
+        self.v_proj = nn.Linear(args.dim, kv_dim, bias=args.attention_bias)
+        self.o_proj = nn.Linear(q_dim, args.dim, bias=args.attention_bias)
+        self.qk_norm = args.block_type == "olmo2"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(q_dim, args.norm_eps)
+            self.k_norm = RMSNorm(kv_dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext, slot: str) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, k, ctx.cos, ctx.sin)
+        if ctx.cache is not None:
+            k, v = ctx.cache.update(slot, k, v)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=ctx.mask, is_causal=ctx.mask is None, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.ffn_dim, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.dim, args.ffn_dim, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.ffn_dim, args.dim, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    """One source-model layer; `block_type` picks Llama pre-norm or OLMo-2 reordered post-norm."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.pre_norm = args.block_type == "llama"
+        self.self_attn = Attention(args)
+        self.mlp = FeedForward(args)
+        if self.pre_norm:
+            self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+            self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        else:
+            self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext, slot: str = "") -> torch.Tensor:
+        if self.pre_norm:
+            h = x + self.self_attn(self.input_layernorm(x), ctx, slot)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.post_attention_layernorm(self.self_attn(x, ctx, slot))
+        return h + self.post_feedforward_layernorm(self.mlp(h))
+
+    def init_weights(self, std: float) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
