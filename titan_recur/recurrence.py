@@ -100,7 +100,7 @@ class RecurrenceSampler:
     def _draw_total(self, mean: int, step: int, micro_step: int) -> int:
         """p = Poisson(tau) + 1, tau lognormal with mean E[tau], from a private generator."""
         tau_mean = _lognormal_mean(mean, self.mean_offset)
-        gen_seed = generator_seed(self.seed, step, micro_step)
+        gen_seed = generator_seed(self.seed, step, micro_step)  # validates step even when no draw is needed
         if tau_mean == 0:
             return 1
         gen = torch.Generator().manual_seed(gen_seed)
