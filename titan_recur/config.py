@@ -1,0 +1,641 @@
+"""Job config: nested dataclasses loaded from TOML and overridden by ``--section.key value`` flags.
+
+Precedence is defaults < config file < command line. Values are type-checked strictly (a bool is
+not an int, a TOML int is not a bool) so that a typo or a wrong type stops the job at startup with
+one line naming the key, where it came from and what was expected.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import json
+import os
+import sys
+import textwrap
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+
+from titan_recur.models.args import PRESETS
+
+_CLI = "command line"
+_TRUE = ("true", "1", "yes")
+_FALSE = ("false", "0", "no")
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message is a single line meant for the user."""
+
+
+def opt(default: Any, help: str) -> Any:
+    """A config field carrying its --help text; mutable defaults are copied per instance."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Job:
+    """Run bookkeeping."""
+
+    dump_folder: str = opt("./outputs", "Root folder for checkpoints, logs and the resolved config.")
+    description: str = opt("", "Free-text description of the run, stored with its outputs.")
+    seed: int = opt(0, "Seed for parameter init and data order.")
+    deterministic: bool = opt(False, "Use deterministic algorithms (for bit-exact resume tests); slower.")
+    print_config: bool = opt(False, "Print the resolved config at startup.")
+
+
+@dataclass
+class Model:
+    """What to train: a converted model folder, or a preset architecture without weights."""
+
+    path: str | None = opt(
+        None,
+        "Converted model folder written by tools/convert_hf.py (config.json + model.safetensors "
+        "+ tokenizer files).",
+    )
+    preset: str | None = opt(
+        None,
+        "Source-model preset, e.g. 'tinyllama-1.1b', built from model.shape without weights "
+        "(meta-device counts, random init).",
+    )
+    shape: list[int] = opt([], "Prelude,core,coda layer counts (P,R,C) for model.preset.")
+    init: Literal["load", "random"] = opt(
+        "load", "'load' weights from model.path, or 'random' init (from scratch / debug)."
+    )
+
+
+@dataclass
+class Training:
+    """Step count, batch geometry, precision and memory options."""
+
+    steps: int = opt(50000, "Number of optimizer steps.")
+    local_batch_size: int = opt(16, "Sequences per rank per micro-step.")
+    global_batch_size: int | None = opt(
+        None,
+        "Sequences per optimizer step; none = local_batch_size * dp world size (no accumulation). "
+        "Must be a multiple of local_batch_size * dp.",
+    )
+    seq_len: int = opt(1024, "Tokens per training sequence.")
+    max_norm: float = opt(1.0, "Gradient-norm clipping threshold.")
+    mixed_precision_param: Literal["bfloat16", "float32"] = opt(
+        "bfloat16", "Parameter dtype for FSDP compute; ignored on CPU, which always uses float32."
+    )
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = opt("float32", "Gradient reduce-scatter dtype.")
+    compile: bool = opt(False, "Compile the model with torch.compile.")
+    ac_mode: Literal["none", "full", "per_iteration"] = opt(
+        "per_iteration",
+        "Activation checkpointing: 'full' = every block incl. each core iteration; 'per_iteration' = "
+        "each grad-carrying core iteration plus prelude/coda blocks; 'none' = off.",
+    )
+    skip_nonfinite: bool = opt(False, "Skip optimizer steps whose loss or grad norm is not finite.")
+    max_skipped_steps: int = opt(10, "Abort the run once more than this many steps were skipped.")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "'auto' = cuda when available, else cpu.")
+
+
+@dataclass
+class Recurrence:
+    """Sampling of the number of core iterations per step, and truncated backprop through them."""
+
+    mean_recurrence: int = opt(32, "R_max: the target mean iteration count the curriculum reaches.")
+    backprop_depth: int = opt(8, "Number of final core iterations that carry gradients.")
+    curriculum: Literal["1-sqrt", "linear", "none"] = opt(
+        "1-sqrt", "Shape of the ramp of the mean recurrence from start to mean_recurrence."
+    )
+    warmup_fraction: float = opt(0.75, "Fraction of training steps over which the mean recurrence ramps up.")
+    start: int = opt(1, "Mean recurrence at step 0 of the curriculum.")
+    sigma: float = opt(0.5, "Std of the log-normal Poisson sampler of iteration counts.")
+    seed: int = opt(514229, "Seed of the iteration-count sampler (identical on every rank).")
+    mean_offset: bool = opt(True, "Offset the sampler so that E[n + k] = r + 1, as the reference does.")
+    backprop_curriculum: bool = opt(False, "Ramp backprop_depth up from backprop_start too.")
+    backprop_start: int = opt(1, "Backprop depth at step 0 when backprop_curriculum is on.")
+    backprop_warmup_fraction: float = opt(0.25, "Fraction of steps over which the backprop depth ramps up.")
+    eval_recurrence: int | None = opt(None, "Iterations used for evaluation; none = mean_recurrence.")
+
+
+@dataclass
+class Optimizer:
+    """Muon for the 2-D block and adapter matrices, AdamW for the rest (or AdamW everywhere)."""
+
+    name: Literal["muon", "adamw"] = opt(
+        "muon", "'muon': Muon for block+adapter matrices, AdamW for the rest; 'adamw': AdamW everywhere."
+    )
+    lr: float = opt(1e-3, "Muon learning rate.")
+    momentum: float = opt(0.95, "Muon momentum.")
+    nesterov: bool = opt(True, "Use Nesterov momentum in Muon.")
+    ns_steps: int = opt(5, "Newton-Schulz iterations of Muon's orthogonalisation.")
+    weight_decay: float = opt(1e-4, "Muon decoupled weight decay.")
+    fuse_qkv: bool = opt(
+        False, "Orthogonalise q,k,v as one matrix and gate+up as one, like the reference."
+    )
+    adamw_lr: float = opt(5e-5, "AdamW learning rate.")
+    adamw_betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas.")
+    adamw_eps: float = opt(1e-8, "AdamW epsilon.")
+    adamw_weight_decay: float = opt(1e-4, "AdamW decoupled weight decay.")
+
+
+@dataclass
+class LRScheduler:
+    """Warmup, constant, then decay (warmup-stable-decay)."""
+
+    warmup_fraction: float = opt(0.005, "Fraction of steps of linear warmup.")
+    decay_fraction: float = opt(0.75, "Fraction of steps at the end that decay the learning rate.")
+    decay_type: Literal["cosine", "linear"] = opt("cosine", "Shape of the decay.")
+    min_lr_factor: float = opt(0.001, "Warmup starts at and decay ends at min_lr_factor * lr.")
+
+
+@dataclass
+class Parallel:
+    """Data-parallel mesh: HSDP replicas x FSDP shards."""
+
+    dp_replicate: int = opt(1, "Number of HSDP replicas.")
+    dp_shard: int = opt(-1, "FSDP shard group size; -1 = the rest of the world.")
+
+
+@dataclass
+class Checkpoint:
+    """Distributed checkpoints for resume, and the final export."""
+
+    enable: bool = opt(True, "Save checkpoints.")
+    folder: str = opt("checkpoints", "Checkpoint folder under job.dump_folder.")
+    interval: int = opt(500, "Save every this many steps.")
+    keep_latest_k: int = opt(3, "Keep only the latest k checkpoints; 0 = keep all.")
+    load_step: int = opt(-1, "Step to resume from; -1 = the latest complete checkpoint.")
+    initial_load_path: str | None = opt(None, "Checkpoint to start from when the run has none of its own.")
+    async_mode: Literal["disabled", "async"] = opt("disabled", "Save checkpoints in the background.")
+    export_final: bool = opt(True, "Export the final model when training ends.")
+
+
+@dataclass
+class DataSource:
+    """One dataset in the training mixture."""
+
+    name: str = opt("", "Label for logs.")
+    path: str = opt("", "Local file or glob, or a Hugging Face hub dataset id.")
+    kind: Literal["text", "jsonl", "parquet", "hf", "tokenized"] = opt("text", "Format of the source.")
+    text_field: str = opt("text", "Column or key holding the text.")
+    hf_config: str | None = opt(None, "Hugging Face dataset config name.")
+    split: str = opt("train", "Dataset split.")
+    weight: float = opt(1.0, "Relative sampling weight in the mixture.")
+
+
+@dataclass
+class DataPhase:
+    """A mixture that takes over from start_step on."""
+
+    start_step: int = opt(0, "First step of this phase.")
+    sources: list[DataSource] = opt([], "The mixture of this phase.")
+
+
+@dataclass
+class Data:
+    """Training data sources and tokenizer."""
+
+    sources: list[DataSource] = opt([], "Training mixture.")
+    phases: list[DataPhase] = opt([], "Mixtures that take over during training.")
+    tokenizer: str | None = opt(None, "Folder with tokenizer files; none = model.path.")
+    num_workers: int = opt(0, "DataLoader worker processes per rank.")
+    validation_fraction: float = opt(0.0, "Fraction of the data held out for validation.")
+
+
+@dataclass
+class Validation:
+    """Periodic held-out loss at several recurrences."""
+
+    enable: bool = opt(False, "Run validation.")
+    interval: int = opt(500, "Validate every this many steps.")
+    steps: int = opt(10, "Batches per validation.")
+    recurrences: list[int] = opt([1, 2, 4, 8, 16, 32], "Iteration counts to evaluate at.")
+
+
+@dataclass
+class Metrics:
+    """Logging of loss, throughput and MFU."""
+
+    log_freq: int = opt(10, "Log every this many steps.")
+    enable_tensorboard: bool = opt(True, "Write TensorBoard event files.")
+    peak_flops: float | None = opt(
+        None, "Per-device peak FLOP/s for MFU; none = look up the device (MFU is null on CPU unless given)."
+    )
+    jsonl: bool = opt(True, "Write metrics as JSON lines.")
+
+
+@dataclass
+class JobConfig:
+    """Everything a training run needs; one attribute per TOML section."""
+
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    recurrence: Recurrence = field(default_factory=Recurrence)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallel: Parallel = field(default_factory=Parallel)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    data: Data = field(default_factory=Data)
+    validation: Validation = field(default_factory=Validation)
+    metrics: Metrics = field(default_factory=Metrics)
+
+
+# ---------------------------------------------------------------------------------------------
+# Types
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    """``X | None`` -> (X, True); anything else -> (tp, False)."""
+    if get_origin(tp) in (Union, types.UnionType):
+        args = get_args(tp)
+        if len(args) == 2 and type(None) in args:
+            return next(a for a in args if a is not type(None)), True
+    return tp, False
+
+
+def _type_name(tp: Any) -> str:
+    inner, optional = _strip_optional(tp)
+    if optional:
+        return f"{_type_name(inner)} | None"
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is list and dataclasses.is_dataclass(args[0]):
+        return "array of tables"
+    if origin in (list, tuple):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    if dataclasses.is_dataclass(tp):
+        return "table"
+    return tp.__name__
+
+
+def _is_table_list(tp: Any) -> bool:
+    return get_origin(tp) is list and dataclasses.is_dataclass(get_args(tp)[0])
+
+
+def _suggest(name: str, choices: Sequence[str]) -> str | None:
+    """Closest spelling, else a choice that ends with the name (``steps`` -> ``training.steps``)."""
+    close = difflib.get_close_matches(name, choices, n=1)
+    return close[0] if close else next((c for c in choices if c.endswith("." + name)), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Values from TOML / JSON / dicts
+
+
+def _render(path: tuple[str | int, ...]) -> str:
+    """("data", "phases", 1, "sources", 0) -> "[data.phases][1].sources[0]"."""
+    n = next((i for i, p in enumerate(path) if isinstance(p, int)), len(path))
+    out = f"[{'.'.join(path[:n])}]"
+    for p in path[n:]:
+        out += f"[{p}]" if isinstance(p, int) else f".{p}"
+    return out
+
+
+def _where(path: tuple[str | int, ...]) -> str:
+    """Location of a value: "[training] steps", "[validation.recurrences][2]", "[training]"."""
+    if len(path) >= 2 and isinstance(path[-1], str):
+        return f"{_render(path[:-1])} {path[-1]}"
+    return _render(path)
+
+
+def _from_value(value: Any, tp: Any, source: str, path: tuple[str | int, ...]) -> Any:
+    """Check a parsed TOML/JSON value against ``tp``, converting arrays to lists/tuples/dataclasses."""
+    inner, optional = _strip_optional(tp)
+    origin, args = get_origin(inner), get_args(inner)
+    if optional and value is None:
+        return None
+    if dataclasses.is_dataclass(inner) and isinstance(value, dict):
+        return _build(inner, value, source, path)
+    if origin is list and isinstance(value, (list, tuple)):
+        return [_from_value(v, args[0], source, path + (i,)) for i, v in enumerate(value)]
+    if origin is tuple and isinstance(value, (list, tuple)) and len(value) == len(args):
+        return tuple(_from_value(v, t, source, path + (i,)) for i, (v, t) in enumerate(zip(value, args)))
+    if origin is Literal and any(type(value) is type(a) and value == a for a in args):
+        return value
+    if inner is float and type(value) in (int, float):
+        return float(value)
+    if inner in (int, str, bool) and type(value) is inner:
+        return value
+    raise ConfigError(f"{source}: {_where(path)} expects {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls: type, values: dict[str, Any], source: str, path: tuple[str | int, ...]) -> Any:
+    hints = _hints(cls)
+    for key in values:
+        if key not in hints:
+            hint = _suggest(key, list(hints))
+            what = f"unknown section {key!r}" if not path else f"{_render(path)} unknown key {key!r}"
+            raise ConfigError(f"{source}: {what}" + (f" (did you mean {hint!r}?)" if hint else ""))
+    return cls(**{k: _from_value(v, hints[k], source, path + (k,)) for k, v in values.items()})
+
+
+def config_from_dict(values: dict[str, Any], source: str = "dict") -> JobConfig:
+    """JobConfig from nested dicts (parsed TOML, a saved ``config_to_dict``); no cross-field checks."""
+    return _build(JobConfig, values, source, ())
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain JSON-able nested dict (tuples become lists) for saving the resolved config with a run."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def _options() -> dict[str, Any]:
+    """``"section.key"`` -> type, for every settable option."""
+    return {
+        f"{section}.{key}": tp
+        for section, cls in _hints(JobConfig).items()
+        for key, tp in _hints(cls).items()
+    }
+
+
+def _from_text(text: str, tp: Any) -> Any:
+    """Parse a command-line string as ``tp``; raises ValueError when it doesn't fit."""
+    inner, optional = _strip_optional(tp)
+    origin, args = get_origin(inner), get_args(inner)
+    if optional and text.lower() == "none":
+        return None
+    if origin is list:
+        return [_from_text(t.strip(), args[0]) for t in text.split(",")] if text.strip() else []
+    if origin is tuple:
+        parts = text.split(",")
+        if len(parts) != len(args):
+            raise ValueError(text)
+        return tuple(_from_text(p.strip(), t) for p, t in zip(parts, args))
+    if origin is Literal:
+        for a in args:
+            if str(a) == text:
+                return a
+        raise ValueError(text)
+    if inner is bool:
+        if text.lower() not in _TRUE + _FALSE:
+            raise ValueError(text)
+        return text.lower() in _TRUE
+    if inner in (int, float, str):
+        return inner(text)
+    raise ValueError(text)
+
+
+def _parse_overrides(argv: Sequence[str]) -> list[tuple[str, Any]]:
+    """``--a.b v`` / ``--a.b=v`` tokens -> [("a.b", value)]; a bare boolean flag means true."""
+    options, out, i = _options(), [], 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("--"):
+            raise ConfigError(f"{_CLI}: unexpected argument {token!r} (options are --section.key value)")
+        name, eq, text = token[2:].partition("=")
+        if name not in options:
+            hint = _suggest(name, list(options))
+            did_you_mean = f" (did you mean --{hint}?)" if hint else ""
+            raise ConfigError(f"{_CLI}: unknown option --{name}{did_you_mean}")
+        tp = options[name]
+        if _is_table_list(tp):
+            raise ConfigError(f"{_CLI}: --{name} is an array of tables; set [[{name}]] in the config file")
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if tp is bool and (nxt is None or nxt.startswith("--")):
+                text = "true"
+            elif nxt is None:
+                raise ConfigError(f"{_CLI}: --{name} needs a value ({_type_name(tp)})")
+            else:
+                text, i = nxt, i + 1
+        try:
+            out.append((name, _from_text(text, tp)))
+        except ValueError:
+            raise ConfigError(f"{_CLI}: --{name} expects {_type_name(tp)}, got {text!r}") from None
+        i += 1
+    return out
+
+
+def _split_config_arg(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Pull ``--config FILE`` / ``--config=FILE`` out of argv; the rest are overrides."""
+    path, rest, i = None, [], 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--config" or token.startswith("--config="):
+            if path is not None:
+                raise ConfigError(f"{_CLI}: --config given more than once")
+            if token == "--config":
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{_CLI}: --config needs a file")
+                i += 1
+                path = argv[i]
+            else:
+                path = token.partition("=")[2]
+        else:
+            rest.append(token)
+        i += 1
+    return path, rest
+
+
+def _field_help(cls: type, table: str, indent: str, cli: bool) -> list[str]:
+    """Help lines for each field of ``cls`` (the TOML table ``table``); arrays of tables are file-only."""
+    lines, defaults, pad = [], cls(), indent + "    "
+    for f in dataclasses.fields(cls):
+        tp, default, doc = _hints(cls)[f.name], getattr(defaults, f.name), f.metadata["help"]
+        if _is_table_list(tp):
+            lines.append(f"{indent}[[{table}.{f.name}]] (array of tables; default {default!r})")
+            doc += " Each table has:"
+        else:
+            name = f"--{table}.{f.name}" if cli else f.name
+            lines.append(f"{indent}{name} ({_type_name(tp)}; default {default!r})")
+        lines.append(textwrap.fill(doc, 100, initial_indent=pad, subsequent_indent=pad))
+        if _is_table_list(tp):
+            lines += _field_help(get_args(tp)[0], f"{table}.{f.name}", indent + "      ", cli=False)
+    return lines
+
+
+def format_help(prog: str = "train") -> str:
+    """Every option, grouped by section, with its doc, type and default."""
+    lines = [
+        f"usage: {prog} [--config FILE] [--section.key VALUE | --section.key=VALUE ...]",
+        "",
+        "Defaults < config file < command line. Lists are comma-separated (1,2,4); 'none' sets an",
+        "optional value to None; booleans take true/false/1/0/yes/no, and a bare flag means true.",
+        "",
+        "  --config FILE",
+        "      TOML job config (or a saved config.json).",
+        "  -h, --help",
+        "      Show this help and exit.",
+    ]
+    for section, cls in _hints(JobConfig).items():
+        lines += ["", f"[{section}] {cls.__doc__}"]
+        lines += _field_help(cls, section, "  ", cli=True)
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-field checks
+
+_AT_LEAST = {
+    "training.steps": 1,
+    "training.local_batch_size": 1,
+    "training.seq_len": 1,
+    "training.max_skipped_steps": 0,
+    "recurrence.start": 1,
+    "recurrence.backprop_depth": 1,
+    "recurrence.backprop_start": 1,
+    "recurrence.sigma": 0,
+    "optimizer.ns_steps": 1,
+    "optimizer.weight_decay": 0,
+    "optimizer.adamw_weight_decay": 0,
+    "parallel.dp_replicate": 1,
+    "checkpoint.interval": 1,
+    "checkpoint.keep_latest_k": 0,
+    "checkpoint.load_step": -1,
+    "data.num_workers": 0,
+    "validation.interval": 1,
+    "validation.steps": 1,
+    "metrics.log_freq": 1,
+}
+_POSITIVE = ("training.max_norm", "optimizer.lr", "optimizer.adamw_lr", "optimizer.adamw_eps")
+_FRACTIONS = (
+    "recurrence.warmup_fraction",
+    "recurrence.backprop_warmup_fraction",
+    "lr_scheduler.warmup_fraction",
+    "lr_scheduler.decay_fraction",
+    "lr_scheduler.min_lr_factor",
+)
+
+
+def _get(cfg: JobConfig, name: str) -> Any:
+    section, key = name.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _require(ok: Any, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"invalid config: {message}")
+
+
+def _validate_model(m: Model) -> None:
+    _require(m.path or m.preset, "set model.path (a converted model folder) or model.preset")
+    _require(not (m.path and m.preset), "set only one of model.path and model.preset")
+    if not m.preset:
+        _require(not m.shape, "model.shape only applies with model.preset")
+        return
+    hint = _suggest(m.preset, list(PRESETS))
+    known = f" (did you mean {hint!r}?)" if hint else f"; known: {', '.join(PRESETS)}"
+    _require(m.preset in PRESETS, f"unknown model.preset {m.preset!r}{known}")
+    preset = PRESETS[m.preset]
+    example = ",".join(map(str, preset.default_shape))
+    _require(
+        len(m.shape) == 3 and min(m.shape) >= 0,
+        f"model.preset needs model.shape = P,R,C (three counts >= 0, e.g. {example}), got {m.shape}",
+    )
+    _require(
+        sum(m.shape) <= preset.n_layers,
+        f"model.shape {m.shape} needs {sum(m.shape)} layers; {m.preset} has {preset.n_layers}",
+    )
+    _require(m.init == "random", "model.preset has no weights: set model.init = 'random' (or use model.path)")
+
+
+def _validate_data(d: Data) -> None:
+    _require(
+        0 <= d.validation_fraction < 1,
+        f"data.validation_fraction must be in [0, 1), got {d.validation_fraction}",
+    )
+    starts = [p.start_step for p in d.phases]
+    _require(starts == sorted(set(starts)), f"data.phases start_steps must be increasing, got {starts}")
+    sources = [(f"[data.sources][{i}]", s) for i, s in enumerate(d.sources)]
+    for j, phase in enumerate(d.phases):
+        _require(phase.sources, f"[data.phases][{j}] has no sources")
+        sources += [(f"[data.phases][{j}].sources[{i}]", s) for i, s in enumerate(phase.sources)]
+    for where, s in sources:
+        _require(s.path, f"{where} needs a path")
+        _require(s.weight > 0, f"{where} weight must be > 0, got {s.weight}")
+
+
+def validate(cfg: JobConfig) -> None:
+    """Cross-field checks that types can't express; file existence is left to the trainer."""
+    for name, low in _AT_LEAST.items():
+        _require(_get(cfg, name) >= low, f"{name} must be >= {low}, got {_get(cfg, name)}")
+    for name in _POSITIVE:
+        _require(_get(cfg, name) > 0, f"{name} must be > 0, got {_get(cfg, name)}")
+    for name in _FRACTIONS:
+        _require(0 <= _get(cfg, name) <= 1, f"{name} must be in [0, 1], got {_get(cfg, name)}")
+    t, r, o, s = cfg.training, cfg.recurrence, cfg.optimizer, cfg.lr_scheduler
+    gbs = t.global_batch_size
+    _require(
+        gbs is None or (gbs >= 1 and gbs % t.local_batch_size == 0),
+        f"training.global_batch_size ({gbs}) must be a multiple of local_batch_size * dp "
+        f"(local_batch_size = {t.local_batch_size})",
+    )
+    _require(
+        r.mean_recurrence >= r.start,
+        f"recurrence.mean_recurrence ({r.mean_recurrence}) must be >= recurrence.start ({r.start})",
+    )
+    _require(
+        r.backprop_start <= r.backprop_depth,
+        f"recurrence.backprop_start ({r.backprop_start}) must be <= backprop_depth ({r.backprop_depth})",
+    )
+    _require(
+        r.eval_recurrence is None or r.eval_recurrence >= 1,
+        f"recurrence.eval_recurrence must be >= 1, got {r.eval_recurrence}",
+    )
+    _require(0 <= o.momentum < 1, f"optimizer.momentum must be in [0, 1), got {o.momentum}")
+    betas = o.adamw_betas
+    _require(all(0 <= b < 1 for b in betas), f"optimizer.adamw_betas must be in [0, 1), got {betas}")
+    _require(
+        s.warmup_fraction + s.decay_fraction <= 1,
+        f"lr_scheduler.warmup_fraction + decay_fraction must be <= 1, "
+        f"got {s.warmup_fraction} + {s.decay_fraction}",
+    )
+    dp_shard = cfg.parallel.dp_shard
+    _require(dp_shard == -1 or dp_shard >= 1, f"parallel.dp_shard must be -1 or >= 1, got {dp_shard}")
+    recurrences = cfg.validation.recurrences
+    _require(all(n >= 1 for n in recurrences), f"validation.recurrences must all be >= 1, got {recurrences}")
+    peak = cfg.metrics.peak_flops
+    _require(peak is None or peak > 0, f"metrics.peak_flops must be > 0, got {peak}")
+    _validate_model(cfg.model)
+    _validate_data(cfg.data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    """Parse a TOML file, or JSON when it ends in .json (a run's saved resolved config)."""
+    try:
+        with open(path, "rb") as f:
+            return json.load(f) if path.endswith(".json") else tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot parse: {e}") from None
+
+
+def load_config(path: str | None, overrides: Sequence[str] = ()) -> JobConfig:
+    """Defaults, then the file at ``path`` (if any), then ``--section.key value`` overrides; validated."""
+    cfg = config_from_dict(_read_file(path), source=path) if path else JobConfig()
+    for name, value in _parse_overrides(overrides):
+        section, key = name.split(".")
+        setattr(getattr(cfg, section), key, value)
+    validate(cfg)
+    return cfg
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """The trainer's command line: ``[--config FILE] [--section.key value ...]``; ``--help`` exits 0."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(format_help(os.path.basename(sys.argv[0]) or "train"))
+        raise SystemExit(0)
+    path, overrides = _split_config_arg(argv)
+    return load_config(path, overrides)
