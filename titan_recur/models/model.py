@@ -159,9 +159,21 @@ class RecurrentLM(nn.Module):
         self.norm.reset_parameters()
         if not self.args.tie_embeddings:
             nn.init.trunc_normal_(self.lm_head.weight, std=std, a=-3 * std, b=3 * std)
-        self.inv_freq = rope_inverse_frequencies(
-            self.args.head_dim, self.args.rope_theta, self.args.rope_scaling
-        ).to(self.embed_tokens.weight.device)
+        self.reset_rope_buffer()
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) casts float buffers too; RoPE frequencies rounded to bf16 are off by ~1 rad per
+        # 1000 positions, so they are recomputed in fp32 after every move or cast.
+        super()._apply(fn, recurse)
+        self.reset_rope_buffer()
+        return self
+
+    def reset_rope_buffer(self) -> None:
+        """Recompute the (non-persistent) RoPE table, e.g. after materialising from the meta device."""
+        device = self.embed_tokens.weight.device
+        self.inv_freq = rope_inverse_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling).to(
+            device
+        )
 
 
 def resolve_num_steps(num_steps: NumSteps, args: ModelArgs) -> tuple[int, int]:
