@@ -186,6 +186,10 @@ class DataSource:
     hf_config: str | None = opt(None, "Hugging Face dataset config name.")
     split: str = opt("train", "Dataset split.")
     weight: float = opt(1.0, "Relative sampling weight in the mixture.")
+    sample_by: Literal["paragraph", "document", "line"] = opt(
+        "paragraph",
+        "kind 'text' only: one document per blank-line-separated paragraph, per file, or per line.",
+    )
 
 
 @dataclass
@@ -205,6 +209,11 @@ class Data:
     tokenizer: str | None = opt(None, "Folder with tokenizer files; none = model.path.")
     num_workers: int = opt(0, "DataLoader worker processes per rank.")
     validation_fraction: float = opt(0.0, "Fraction of the data held out for validation.")
+    reshard: Literal["error", "restart"] = opt(
+        "error",
+        "Resuming with another data geometry (dp ranks, workers, batch): 'error' refuses; 'restart' "
+        "restarts every source at a new epoch from the resumed step (the position cannot be resharded).",
+    )
 
 
 @dataclass

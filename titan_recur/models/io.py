@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -14,6 +15,13 @@ from titan_recur.models.model import RecurrentLM
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_KEY = "titan_recur"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 
 
 def read_model_args(folder: str | Path) -> ModelArgs:
@@ -73,3 +81,13 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     model = RecurrentLM(args)
     load_state_dict_into(model, load_file(str(weights)), str(weights))
     return model.to(device=device, dtype=dtype).eval()
+
+
+def copy_tokenizer_files(source: Path, destination: Path) -> list[str]:
+    """Copy whichever tokenizer files the source folder has; returns their names."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, destination / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny HF source checkpoints built on the fly (random weights, fixed seed, offline)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = REPO / "assets"
+
+_COMMON = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4, max_position_embeddings=256,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+# name -> (architecture, config overrides, save_pretrained kwargs)
+TINY_HF_CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    # GQA, head_dim != hidden / heads, theta != 10000.
+    "llama": ("llama", dict(num_hidden_layers=6, num_key_value_heads=2, head_dim=32, rope_theta=50000.0), {}),
+    # Llama-3 frequency scaling with a short original context, so sequences > 16 tokens exercise it.
+    "llama_rope_scaled": ("llama", dict(
+        num_hidden_layers=6, num_key_value_heads=2, rope_theta=10000.0,
+        rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=16),
+    ), {}),
+    # Tied embeddings (no lm_head tensor on disk), projection biases, several EOS ids.
+    "llama_tied": ("llama", dict(
+        num_hidden_layers=6, num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+        eos_token_id=[2, 3],
+    ), {}),
+    "llama_sharded": ("llama", dict(num_hidden_layers=6, num_key_value_heads=2), dict(max_shard_size="100KB")),
+    "olmo2": ("olmo2", dict(num_hidden_layers=6, num_key_value_heads=4, rms_norm_eps=1e-6), {}),
+}
+
+
+def save_tiny_hf_checkpoint(name: str, folder: Path, seed: int = 0) -> Path:
+    """Save a random tiny HF model (+ the tiny tokenizer) as a source checkpoint folder.
+
+    Weights are scaled up and norm weights randomised so that any misplaced layer or norm shows in the
+    logits well above float noise.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Olmo2Config, Olmo2ForCausalLM
+
+    arch, overrides, save_kwargs = TINY_HF_CHECKPOINTS[name]
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM)}[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**_COMMON, **overrides}))
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            param.copy_(1 + 0.2 * torch.randn_like(param) if "norm" in param_name else 0.1 * torch.randn_like(param))
+    model.save_pretrained(folder, **save_kwargs)
+    for file in (ASSETS / "tokenizer").glob("*"):
+        shutil.copy(file, folder / file.name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """name -> folder of that tiny HF checkpoint (see TINY_HF_CHECKPOINTS), built once per session."""
+    root = tmp_path_factory.mktemp("hf_checkpoints")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = save_tiny_hf_checkpoint(name, root / name)
+        return built[name]
+
+    return get

@@ -1,0 +1,217 @@
+"""Drives the real Trainer on fixed global batches, alone or under torchrun, and records what tests compare.
+
+Modes:
+  steps        run --steps optimizer steps; save losses, full gradients before each step and final
+               full parameters (rank 0 writes --out with torch.save).
+  collectives  run one step per r in --recurrences with num_steps (r-1, 1) and count, per step, the
+               c10d collectives FSDP2 issues for the recurrent core's parameters.
+  compile      run --steps steps with compiled blocks and varying (n, k); report dynamo's graph counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from titan_recur.config import load_config
+from titan_recur.train import Trainer
+
+PARAM_NAME_NOISE = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    for noise in PARAM_NAME_NOISE:
+        name = name.replace(noise, "")
+    return name
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+
+
+def fixed_batches(steps: int, accum: int, global_batch: int, seq_len: int, vocab: int, rank: int, world: int):
+    """The same global batches for every world size; each rank takes its contiguous slice."""
+    gen = torch.Generator().manual_seed(1234)
+    local = global_batch // world
+    for _ in range(steps):
+        micro = []
+        for _ in range(accum):
+            rows = torch.randint(0, vocab, (global_batch, seq_len + 1), generator=gen)
+            mine = rows[rank * local : (rank + 1) * local]
+            micro.append({"input_ids": mine[:, :-1].contiguous(), "labels": mine[:, 1:].contiguous()})
+        yield micro
+
+
+def build_trainer(args: argparse.Namespace) -> Trainer:
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    overrides = [
+        "--model.path", args.model,
+        "--job.dump_folder", args.dump,
+        "--training.steps", str(args.steps),
+        "--training.local_batch_size", str(args.global_batch // world),
+        "--training.global_batch_size", str(args.global_batch * args.accum),
+        "--training.seq_len", str(args.seq_len),
+        "--training.ac_mode", args.ac,
+        "--optimizer.name", args.optimizer,
+        "--optimizer.lr", "1e-3",
+        "--optimizer.adamw_lr", "5e-5",
+        "--recurrence.mean_recurrence", "4",
+        "--recurrence.backprop_depth", "2",
+        "--recurrence.curriculum", "linear",
+        "--recurrence.warmup_fraction", "0.5",
+        "--checkpoint.enable", "false",
+        "--checkpoint.export_final", "false",
+        "--metrics.enable_tensorboard", "false",
+        "--metrics.log_freq", "1",
+        "--parallel.dp_replicate", str(args.dp_replicate),
+    ] + args.overrides
+    return Trainer(load_config(args.config, overrides))
+
+
+def run_steps(trainer: Trainer, args: argparse.Namespace) -> dict:
+    grads: list[dict[str, torch.Tensor]] = []
+    original_step = trainer.optimizers.step
+
+    def step_recording_grads() -> None:
+        grads.append({clean_name(n): full(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None})
+        original_step()
+
+    trainer.optimizers.step = step_recording_grads
+    losses = []
+    rank, world = trainer.dist.rank, trainer.dist.world_size
+    batches = fixed_batches(args.steps, args.accum, args.global_batch, args.seq_len, 97, rank, world)
+    for step, micro in enumerate(batches, start=1):
+        trainer.step = step
+        record = trainer.train_step(iter(micro))
+        losses.append(record["loss"])
+    params = {clean_name(n): full(p) for n, p in trainer.model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+@contextlib.contextmanager
+def count_core_collectives(trainer: Trainer):
+    """Count c10d all-gathers/reduce-scatters issued while FSDP2 works on the core's parameter group."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+
+    core_params = {id(p) for p in trainer.model.core.parameters()}
+    counts: Counter = Counter()
+    active = {"core": False}
+
+    def tracking(fn, is_core_arg):
+        def wrapper(*a, **kw):
+            previous = active["core"]
+            active["core"] = is_core_arg(*a, **kw)
+            try:
+                return fn(*a, **kw)
+            finally:
+                active["core"] = previous
+
+        return wrapper
+
+    def is_core(fsdp_params, *a, **kw) -> bool:
+        return any(id(fp.sharded_param) in core_params for fp in fsdp_params)
+
+    def counting(name, fn):
+        def wrapper(*a, **kw):
+            if active["core"]:
+                counts[name] += 1
+            return fn(*a, **kw)
+
+        return wrapper
+
+    saved = {
+        (group_module, "foreach_all_gather"): group_module.foreach_all_gather,
+        (group_module, "foreach_reduce"): group_module.foreach_reduce,
+        (dist, "all_gather_single"): dist.all_gather_single,
+        (dist, "reduce_scatter_single"): dist.reduce_scatter_single,
+        (dist, "all_reduce"): dist.all_reduce,
+    }
+    group_module.foreach_all_gather = tracking(group_module.foreach_all_gather, is_core)
+    group_module.foreach_reduce = tracking(group_module.foreach_reduce, is_core)
+    dist.all_gather_single = counting("all_gather", dist.all_gather_single)
+    dist.reduce_scatter_single = counting("reduce_scatter", dist.reduce_scatter_single)
+    dist.all_reduce = counting("all_reduce", dist.all_reduce)
+    try:
+        yield counts
+    finally:
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)
+
+
+def run_collectives(trainer: Trainer, args: argparse.Namespace) -> dict:
+    """Per r: forward all-gathers, backward all-gathers and reduce-scatters for the core's group."""
+    results = {}
+    rank, world = trainer.dist.rank, trainer.dist.world_size
+    model = trainer.model
+    for r in args.recurrences:
+        micro = next(fixed_batches(1, 1, args.global_batch, args.seq_len, 97, rank, world))[0]
+        with count_core_collectives(trainer) as counts:
+            logits = model(micro["input_ids"], (r - 1, 1))
+            forward = dict(counts)
+            logits.float().logsumexp(-1).mean().backward()
+        backward = {key: counts[key] - forward.get(key, 0) for key in counts}
+        model.zero_grad(set_to_none=True)
+        results[str(r)] = {"forward": forward, "backward": backward}
+    return results
+
+
+def run_compile(trainer: Trainer, args: argparse.Namespace) -> dict:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    losses, depths = [], []
+    rank, world = trainer.dist.rank, trainer.dist.world_size
+    batches = fixed_batches(args.steps, args.accum, args.global_batch, args.seq_len, 97, rank, world)
+    for step, micro in enumerate(batches, start=1):
+        trainer.step = step
+        record = trainer.train_step(iter(micro))
+        losses.append(record["loss"])
+        depths.append((record["n"], record["k"]))
+    return {
+        "losses": losses,
+        "depths": depths,
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "frames": dict(counters["frames"]),
+        "recompiles": sum(v for k, v in counters["recompiles"].items()) if "recompiles" in counters else 0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["steps", "collectives", "compile"], default="steps")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dump", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--ac", default="none")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--global-batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--dp-replicate", type=int, default=1)
+    parser.add_argument("--recurrences", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16])
+    args, args.overrides = parser.parse_known_args()
+    if args.config is None:
+        args.config = "train_configs/debug_model.toml"
+    trainer = build_trainer(args)
+    runner = {"steps": run_steps, "collectives": run_collectives, "compile": run_compile}[args.mode]
+    result = runner(trainer, args)
+    if trainer.dist.rank == 0:
+        if args.mode == "steps":
+            torch.save(result, args.out)
+        else:
+            with open(args.out, "w") as f:
+                json.dump(result, f)
+    trainer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

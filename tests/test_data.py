@@ -1,0 +1,294 @@
+"""Data pipeline: exact packing, mixture weights, phases, held-out split, exact resume, rank split, errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import re
+import sys
+from itertools import islice
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from titan_recur.config import Data, DataPhase, DataSource
+from titan_recur.data import build_dataloader, check_data_config
+from titan_recur.tokenizer import load_tokenizer
+from torchrun_util import REPO_ROOT, WORKERS_DIR, run_torchrun
+
+SEQ_LEN = 8
+WORDS = "the a cat dog sat on mat two plus equals four sum of".split()
+
+# tools/prepare_data.py, imported by name so that its process pool can pickle its functions
+_spec = importlib.util.spec_from_file_location("prepare_data", REPO_ROOT / "tools" / "prepare_data.py")
+prepare_data = sys.modules["prepare_data"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(prepare_data)
+
+
+def make_docs(prefix: str, n: int, seed: int = 0) -> list[str]:
+    """Documents "<prefix><i> words..."; an upper-case prefix writes upper-case words (to tell sources apart)."""
+    rng = random.Random(seed)
+    words = [w.upper() for w in WORDS] if prefix.isupper() else WORDS
+    return [f"{prefix}{i} " + " ".join(rng.choice(words) for _ in range(rng.randint(2, 12))) for i in range(n)]
+
+
+def is_math(tok, row: list[int]) -> bool:
+    """Rows never mix sources; a row of the upper-case source holds at least one upper-case letter."""
+    return any(c.isupper() for c in tok.decode(row))
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> str:
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tok_folder(tmp_path_factory) -> Path:
+    """Byte-level BPE with BOS <s> (added, Llama style) and EOS </s>."""
+    folder = tmp_path_factory.mktemp("tok")
+    (folder / "corpus.txt").write_text("\n".join(make_docs("doc", 200) + make_docs("MATH", 200)))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train([str(folder / "corpus.txt")], trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tok(tok_folder):
+    return load_tokenizer(tok_folder)
+
+
+def loader(cfg: Data, tok, *, batch: int = 2, rows_per_step: int = 2, rank: int = 0, world: int = 1, split="train"):
+    return build_dataloader(
+        cfg, tok, seq_len=SEQ_LEN, local_batch_size=batch, rows_per_step=rows_per_step,
+        dp_rank=rank, dp_world=world, seed=0, split=split,
+    )
+
+
+def take(dl, n: int) -> list[dict[str, torch.Tensor]]:
+    return list(islice(iter(dl), n))
+
+
+def full_rows(batches) -> torch.Tensor:
+    """(N, seq_len + 1) rows back from {"input_ids", "labels"} batches."""
+    for b in batches:
+        assert b["input_ids"].shape == b["labels"].shape == (b["input_ids"].shape[0], SEQ_LEN)
+        assert torch.equal(b["input_ids"][:, 1:], b["labels"][:, :-1])
+    return torch.cat([torch.cat([b["input_ids"], b["labels"][:, -1:]], dim=1) for b in batches])
+
+
+def packed_stream(tok, docs: list[str]) -> list[int]:
+    return [t for d in docs for t in tok.encode(d, bos=True, eos=True)]
+
+
+def doc_ids(tok, rows: torch.Tensor, prefix: str) -> set[int]:
+    text = tok.decode(rows.flatten().tolist())
+    return {int(m) for m in re.findall(rf"<s>{prefix}(\d+) ", text)}
+
+
+def one_line_error(exc_type, fn, *args, **kwargs) -> str:
+    with pytest.raises(exc_type) as e:
+        fn(*args, **kwargs)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_packing_is_exact_and_loops_over_epochs(tmp_path, tok):
+    docs = make_docs("doc", 40)
+    cfg = Data(sources=[DataSource(path=write_jsonl(tmp_path / "a.jsonl", docs), kind="jsonl")])
+    stream = packed_stream(tok, docs)
+    n_rows = 2 * len(stream) // (SEQ_LEN + 1) + 3  # two epochs and a bit: leftovers carry over
+    rows = full_rows(take(loader(cfg, tok), n_rows // 2))
+    assert rows.flatten().tolist() == (stream * 3)[: rows.numel()]
+
+
+def test_text_paragraphs_and_globs(tmp_path, tok):
+    docs = make_docs("doc", 30)
+    for i in range(3):
+        (tmp_path / f"part{i}.txt").write_text("\n\n".join(docs[i * 10 : (i + 1) * 10]))
+    cfg = Data(sources=[DataSource(path=str(tmp_path / "part*.txt"), kind="text")])
+    rows = full_rows(take(loader(cfg, tok), 20))
+    assert rows.flatten().tolist() == packed_stream(tok, docs)[: rows.numel()]
+
+
+def test_parquet_and_local_hf_folder_read_the_same_stream(tmp_path, tok):
+    docs = make_docs("doc", 30)
+    pq.write_table(pa.table({"body": docs}), tmp_path / "a.parquet")
+    (tmp_path / "hub").mkdir()
+    write_jsonl(tmp_path / "hub" / "train.jsonl", docs)
+    expected = packed_stream(tok, docs)
+    for source in [
+        DataSource(path=str(tmp_path / "a.parquet"), kind="parquet", text_field="body"),
+        DataSource(path=str(tmp_path / "hub"), kind="hf"),
+    ]:
+        rows = full_rows(take(loader(Data(sources=[source]), tok), 10))
+        assert rows.flatten().tolist() == expected[: rows.numel()]
+
+
+def test_pretokenized_rows_pass_through(tmp_path, tok):
+    table = [[i * 10 + j for j in range(SEQ_LEN + 1)] for i in range(12)]
+    pq.write_table(pa.table({"input_ids": table}), tmp_path / "rows.parquet")
+    cfg = Data(sources=[DataSource(path=str(tmp_path / "*.parquet"), kind="tokenized")])
+    check_data_config(cfg, tok, SEQ_LEN)
+    assert full_rows(take(loader(cfg, tok), 6)).tolist() == table
+    rank_rows = [full_rows(take(loader(cfg, tok, rank=r, world=2), 3)).tolist() for r in range(2)]
+    assert sorted(rank_rows[0] + rank_rows[1]) == table
+
+
+def test_workers_read_disjoint_documents(tmp_path, tok):
+    n = 200
+    cfg = Data(sources=[DataSource(path=write_jsonl(tmp_path / "a.jsonl", make_docs("doc", n)), kind="jsonl")],
+               num_workers=2)
+    batches = take(loader(cfg, tok), 40)  # workers yield whole batches in turn; < half an epoch each
+    per_worker = [doc_ids(tok, full_rows(batches[w::2]), "doc") for w in range(2)]
+    assert per_worker[0] and per_worker[1] and per_worker[0].isdisjoint(per_worker[1])
+
+
+def test_mixture_weights_hold(tmp_path, tok):
+    web = write_jsonl(tmp_path / "web.jsonl", make_docs("doc", 300))
+    math = write_jsonl(tmp_path / "math.jsonl", make_docs("MATH", 300, seed=1))
+    cfg = Data(sources=[DataSource(name="web", path=web, kind="jsonl", weight=3.0),
+                        DataSource(name="math", path=math, kind="jsonl", weight=1.0)])
+    rows = full_rows(take(loader(cfg, tok, batch=50, rows_per_step=50), 200))
+    assert rows.shape[0] == 10_000
+    math_share = sum(is_math(tok, r) for r in rows.tolist()) / len(rows)
+    assert abs(math_share - 0.25) < 0.02
+
+
+def test_phases_switch_at_their_start_step(tmp_path, tok):
+    web = DataSource(name="web", path=write_jsonl(tmp_path / "web.jsonl", make_docs("doc", 50)), kind="jsonl")
+    math = DataSource(name="math", path=write_jsonl(tmp_path / "math.jsonl", make_docs("MATH", 50)), kind="jsonl")
+    cfg = Data(phases=[DataPhase(0, [web]), DataPhase(3, [math]), DataPhase(5, [web, math])])
+    # 2 rows per micro-batch, 2 micro-batches per step: steps 0-2 web, 3-4 math, 5+ both
+    rows = full_rows(take(loader(cfg, tok, rows_per_step=4), 40)).tolist()
+    per_step = [{is_math(tok, r) for r in rows[i : i + 4]} for i in range(0, len(rows), 4)]
+    assert per_step[:5] == [{False}] * 3 + [{True}] * 2
+    assert set().union(*per_step[5:]) == {True, False}
+    # web continues where phase 0 left it instead of starting over
+    web_docs = sorted(doc_ids(tok, torch.tensor([r for r in rows if not is_math(tok, r)]), "doc"))
+    assert web_docs == list(range(len(web_docs)))
+
+
+def test_validation_holds_out_disjoint_documents(tmp_path, tok):
+    n = 200
+    cfg = Data(sources=[DataSource(path=write_jsonl(tmp_path / "a.jsonl", make_docs("doc", n)), kind="jsonl")],
+               validation_fraction=0.2)
+    train = doc_ids(tok, full_rows(take(loader(cfg, tok), 300)), "doc")
+    val = doc_ids(tok, full_rows(take(loader(cfg, tok, split="validation"), 100)), "doc")
+    assert train.isdisjoint(val) and train | val == set(range(n))
+    assert 0.1 < len(val) / n < 0.3
+    first = [b["input_ids"] for b in take(loader(cfg, tok, split="validation"), 3)]
+    again = [b["input_ids"] for b in take(loader(cfg, tok, split="validation"), 3)]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))  # a fresh loader gives the same batches
+    message = one_line_error(ValueError, loader, Data(sources=cfg.sources), tok, split="validation")
+    assert "validation_fraction" in message
+
+
+def resume_config(tmp_path, num_workers: int) -> Data:
+    web = DataSource(name="web", path=write_jsonl(tmp_path / "web.jsonl", make_docs("doc", 60)), kind="jsonl")
+    math = DataSource(name="math", path=write_jsonl(tmp_path / "math.jsonl", make_docs("MATH", 40)), kind="jsonl")
+    return Data(phases=[DataPhase(0, [web]), DataPhase(20, [web, math])], num_workers=num_workers,
+                validation_fraction=0.1)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_mid_run_is_exact(tmp_path, tok, num_workers):
+    cfg = resume_config(tmp_path, num_workers)
+    reference = full_rows(take(loader(cfg, tok, rows_per_step=4), 250))  # crosses epochs and the phase switch
+    dl = loader(cfg, tok, rows_per_step=4)
+    it = iter(dl)
+    head = full_rows([next(it) for _ in range(50)])
+    state = dl.state_dict()
+    resumed = loader(cfg, tok, rows_per_step=4)
+    resumed.load_state_dict(state)
+    tail = full_rows(take(resumed, 200))
+    assert torch.equal(torch.cat([head, tail]), reference)
+
+
+def test_resharding_refuses_or_restarts(tmp_path, tok):
+    cfg = resume_config(tmp_path, 0)
+    dl = loader(cfg, tok, rows_per_step=4)
+    take(dl, 30)  # 15 steps, 60 rows
+    state = dl.state_dict()
+    other = loader(cfg, tok, rows_per_step=4, world=2)
+    message = one_line_error(ValueError, other.load_state_dict, state)
+    assert "cannot be resharded" in message and "data.reshard" in message and "step 15" in message
+    cfg.reshard = "restart"
+    other = loader(cfg, tok, rows_per_step=4, world=2)
+    other.load_state_dict(state)
+    rows = full_rows(take(other, 20)).tolist()
+    # still in the web-only phase until step 20 (rows 60-79 of the new numbering), then mixed
+    assert not any(is_math(tok, r) for r in rows[:20]) and any(is_math(tok, r) for r in rows[20:])
+
+
+def test_bad_inputs_fail_with_one_line(tmp_path, tok):
+    good = write_jsonl(tmp_path / "good.jsonl", make_docs("doc", 5))
+
+    def check(**source) -> str:
+        cfg = Data(sources=[DataSource(**{"kind": "jsonl", **source})])
+        return one_line_error((ValueError, FileNotFoundError), check_data_config, cfg, tok, SEQ_LEN)
+
+    assert "no file matches" in check(path=str(tmp_path / "nope*.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("")
+    assert "empty dataset" in check(path=str(tmp_path / "empty.jsonl"))
+    assert "field 'body' not found" in check(path=good, text_field="body")
+    assert "positive" in check(path=good, weight=0.0)
+    pq.write_table(pa.table({"input_ids": [[1] * (SEQ_LEN + 1), [1] * 5]}), tmp_path / "short.parquet")
+    message = check(path=str(tmp_path / "short.parquet"), kind="tokenized")
+    assert "short.parquet" in message and "5 tokens" in message and f"{SEQ_LEN + 1}" in message
+    cfg = Data(sources=[DataSource(path=good, kind="jsonl")])
+    assert "vocab mismatch" in one_line_error(ValueError, check_data_config, cfg, tok, SEQ_LEN, model_vocab_size=100)
+    both = Data(sources=cfg.sources, phases=[DataPhase(0, cfg.sources)])
+    assert "not both" in one_line_error(ValueError, check_data_config, both, tok, SEQ_LEN)
+    late = Data(phases=[DataPhase(5, cfg.sources)])
+    assert "step 0" in one_line_error(ValueError, check_data_config, late, tok, SEQ_LEN)
+    assert "no training data" in one_line_error(ValueError, check_data_config, Data(), tok, SEQ_LEN)
+
+
+def test_wrong_row_length_at_run_time(tmp_path, tok):
+    pq.write_table(pa.table({"input_ids": [[1] * (SEQ_LEN + 1)] * 3 + [[1] * 4]}), tmp_path / "rows.parquet")
+    cfg = Data(sources=[DataSource(name="pre", path=str(tmp_path / "rows.parquet"), kind="tokenized")])
+    with pytest.raises(ValueError, match=r"'pre': pre-tokenized row of 4 tokens, expected seq_len \+ 1 = 9"):
+        take(loader(cfg, tok), 2)
+
+
+def test_prepare_data_matches_the_packed_stream(tmp_path, tok, tok_folder):
+    docs = make_docs("doc", 120)
+    source = write_jsonl(tmp_path / "a.jsonl", docs)
+    out = tmp_path / "pre"
+    prepare_data.prepare(prepare_data.parse_args([
+        "--tokenizer", str(tok_folder), "--path", source, "--kind", "jsonl", "--seq-len", str(SEQ_LEN),
+        "--out", str(out), "--workers", "2", "--rows-per-shard", "50", "--docs-per-task", "16",
+    ]))
+    shards = sorted(out.glob("*.parquet"))
+    assert len(shards) > 1
+    rows = [r for s in shards for r in pq.read_table(s)["input_ids"].to_pylist()]
+    stream = packed_stream(tok, docs)
+    assert len(rows) == len(stream) // (SEQ_LEN + 1)
+    assert [t for r in rows for t in r] == stream[: len(rows) * (SEQ_LEN + 1)]
+    cfg = Data(sources=[DataSource(path=str(out / "*.parquet"), kind="tokenized")])
+    assert full_rows(take(loader(cfg, tok), 5)).tolist() == rows[:10]
+
+
+def test_two_ranks_resume_exactly_and_never_share_documents(tmp_path, tok_folder):
+    web = write_jsonl(tmp_path / "web.jsonl", make_docs("doc", 101))
+    math = write_jsonl(tmp_path / "math.jsonl", make_docs("MATH", 57, seed=1))
+    result = tmp_path / "result.json"
+    args = ["--tokenizer", tok_folder, "--web", web, "--math", math, "--out", result]
+    run_torchrun([WORKERS_DIR / "data_worker.py", *args], nproc=2)
+    report = json.loads(result.read_text())
+    assert report["resume_equal"] == [True, True]
+    assert report["shared_docs"] == 0
+    assert min(report["docs_per_rank"]) > 0

@@ -1,0 +1,46 @@
+"""Launch multi-process tests with torchrun (torch.multiprocessing.spawn sometimes SIGABRTs at exit)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WORKERS_DIR = Path(__file__).resolve().parent / "dist_workers"
+OUTPUT_TAIL_CHARS = 8000
+
+
+def run_torchrun(
+    script_or_module_args: list[str], nproc: int, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run `torchrun --standalone --nproc-per-node nproc <args>` from the repo root; raise on failure.
+
+    Args are what follows torchrun's options: a script path and its arguments, or ["-m", module,
+    ...]. Workers run with one OpenMP thread, offline HF and the repo root on PYTHONPATH. A non-zero
+    exit or a timeout raises AssertionError carrying the tail of the output.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += script_or_module_args
+    python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": python_path, **(env or {})}
+    try:
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{_tail(exc.stdout, exc.stderr)}") from None
+    if proc.returncode != 0:
+        raise AssertionError(f"exit code {proc.returncode}: {' '.join(cmd)}\n{_tail(proc.stdout, proc.stderr)}")
+    return proc
+
+
+def _tail(stdout: str | bytes | None, stderr: str | bytes | None) -> str:
+    def text(out: str | bytes | None) -> str:
+        if isinstance(out, bytes):
+            return out.decode(errors="replace")
+        return out or ""
+
+    return (
+        f"--- stdout (tail) ---\n{text(stdout)[-OUTPUT_TAIL_CHARS:]}\n"
+        f"--- stderr (tail) ---\n{text(stderr)[-OUTPUT_TAIL_CHARS:]}"
+    )

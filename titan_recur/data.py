@@ -1,0 +1,465 @@
+"""Packed, mixed, phased, rank-split and exactly resumable training data.
+
+``datasets`` only reads each source (streaming, one reader per rank x dataloader worker, split by
+``split_dataset_by_node``); the mixture, the phases and the packing live in ``PackedDataset``, a
+stateful ``IterableDataset`` whose state goes through torchdata's ``StatefulDataLoader``. We do
+not use ``datasets.interleave_datasets`` or shuffle buffers: their resume is not exact.
+
+Each source packs its own documents: ``[BOS] doc EOS`` (BOS where the tokenizer adds one)
+concatenated and cut into rows of ``seq_len + 1`` tokens; the tokens left over after a row start
+the source's next row, so nothing is dropped. Row ``i`` of a rank belongs to optimizer step
+``i // rows_per_step``; the step picks the phase, and a generator seeded by (seed, rank, split, i)
+picks the source, so the mixture and the phase switches need no signal from the trainer and
+replay identically on resume. Documents whose content hash falls below
+``data.validation_fraction`` are held out of training and form the validation split.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import hashlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from datasets.distributed import split_dataset_by_node
+from torch.utils.data import IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from titan_recur.config import Data, DataSource
+from titan_recur.tokenizer import Tokenizer, check_vocab
+
+logger = logging.getLogger(__name__)
+
+# An early-closed parquet stream otherwise sleeps 5 s in datasets' thread shutdown.
+datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0
+
+_BUILDERS = {"text": "text", "jsonl": "json", "parquet": "parquet", "tokenized": "parquet"}
+TOKENS_COLUMN = "input_ids"
+_SPLITS = ("train", "validation")
+_DOCS_PER_READ = 64  # documents per datasets batch (the resume point is the start of a batch)
+_STATE_KEY = "titan_recur_packed_dataset"
+
+
+def _source_key(s: DataSource) -> str:
+    """Sources that read the same stream share one reader across phases (a later phase continues it)."""
+    return f"{s.kind}:{s.path}:{s.hf_config}:{s.split}:{s.text_field}:{s.sample_by}"
+
+
+def _column(s: DataSource) -> str:
+    return TOKENS_COLUMN if s.kind == "tokenized" else s.text_field
+
+
+def _source_files(s: DataSource) -> list[str]:
+    """The local files of a source (sorted glob); a pattern that matches nothing is an error."""
+    files = sorted(f for f in glob.glob(os.path.expanduser(s.path), recursive=True) if os.path.isfile(f))
+    if not files:
+        raise FileNotFoundError(f"data source {s.name or s.path!r}: no file matches {s.path!r}")
+    return files
+
+
+def open_source(s: DataSource) -> datasets.IterableDataset:
+    """A streaming ``datasets`` reader of one source, reduced to its text (or input_ids) column."""
+    try:
+        if s.kind == "hf":
+            ds = datasets.load_dataset(s.path, name=s.hf_config, split=s.split, streaming=True)
+        else:
+            kwargs = {"sample_by": s.sample_by} if s.kind == "text" else {}
+            files = _source_files(s)
+            ds = datasets.load_dataset(_BUILDERS[s.kind], data_files=files, split="train", streaming=True, **kwargs)
+    except StopIteration:  # the json builder reads a first batch to infer the columns
+        raise ValueError(f"data source {s.name or s.path!r}: empty dataset ({s.path})") from None
+    if ds.column_names is not None and _column(s) not in ds.column_names:
+        raise ValueError(
+            f"data source {s.name or s.path!r}: field {_column(s)!r} not found in {s.path} (columns: {ds.column_names})"
+        )
+    return ds.select_columns([_column(s)])
+
+
+def _held_out(doc: str | list[int], fraction: float) -> bool:
+    """Deterministic validation membership from the document's content (independent of ranks/workers)."""
+    if fraction <= 0:
+        return False
+    data = doc.encode() if isinstance(doc, str) else np.asarray(doc, dtype=np.int64).tobytes()
+    h = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    return h < fraction * 2**64
+
+
+def is_empty(doc: str | None) -> bool:
+    """Blank paragraphs/lines and missing fields are skipped: they would only add BOS/EOS."""
+    return doc is None or not doc.strip()
+
+
+def encode_document(tokenizer: Tokenizer, doc: str) -> list[int]:
+    """A document as packed: BOS where the tokenizer adds one, the text, EOS."""
+    return tokenizer.encode(doc, bos=tokenizer.add_bos, eos=True)
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """Which slice of every source this worker reads: documents split over rank x worker."""
+
+    index: int
+    count: int
+    validation: bool
+    validation_fraction: float
+
+
+class _SourceStream:
+    """Packed rows of one source for one reader; loops over the source forever, counting epochs."""
+
+    def __init__(self, source: DataSource, tokenizer: Tokenizer, seq_len: int, reader: _Reader):
+        self.source, self.tokenizer, self.reader = source, tokenizer, reader
+        self.row_len = seq_len + 1
+        self.name = source.name or source.path
+        self.ds = split_dataset_by_node(open_source(source), reader.index, reader.count)
+        self.column = _column(source)
+        self.epoch, self.epoch_docs = 0, 0
+        self.batch_state: dict | None = None  # datasets state at the start of the current batch
+        self.next_state: dict | None = None
+        self.docs: list = []
+        self.pos = 0
+        self.buffer: list[int] = []
+        self.offset = 0
+        self.batches: Iterator[dict] | None = None
+
+    def _open(self) -> None:
+        self.ds.set_epoch(self.epoch)
+        if self.batch_state is not None:
+            self.ds.load_state_dict(self.batch_state)
+        self.next_state = self.batch_state
+        self.batches = self.ds.iter(batch_size=_DOCS_PER_READ)
+
+    def _fetch(self) -> None:
+        """Read the next batch of documents, starting a new epoch at the end of the source."""
+        if self.batches is None:
+            self._open()
+        try:
+            batch = next(self.batches)
+        except StopIteration:
+            if self.epoch_docs == 0:
+                split = "validation" if self.reader.validation else "train"
+                raise ValueError(
+                    f"data source {self.name!r}: no {split} documents for reader {self.reader.index} of "
+                    f"{self.reader.count} (empty dataset, or fewer documents/files than ranks x workers)"
+                ) from None
+            logger.warning(f"data source {self.name!r}: epoch {self.epoch} done, looping over it again")
+            self.epoch, self.epoch_docs, self.batch_state = self.epoch + 1, 0, None
+            self._open()
+            return self._fetch()
+        self.batch_state, self.next_state = self.next_state, self.ds.state_dict()
+        self.docs, self.pos = batch[self.column], 0
+
+    def _next_doc(self) -> str | list[int]:
+        while True:
+            if self.pos >= len(self.docs):
+                self._fetch()
+            doc = self.docs[self.pos]
+            self.pos += 1
+            if self.source.kind != "tokenized" and is_empty(doc):
+                continue
+            if _held_out(doc, self.reader.validation_fraction) == self.reader.validation:
+                self.epoch_docs += 1
+                return doc
+
+    def next_row(self) -> list[int]:
+        if self.source.kind == "tokenized":
+            row = self._next_doc()
+            if len(row) != self.row_len:
+                raise ValueError(
+                    f"data source {self.name!r}: pre-tokenized row of {len(row)} tokens, expected "
+                    f"seq_len + 1 = {self.row_len} (re-run tools/prepare_data.py with this seq_len)"
+                )
+            return row
+        while len(self.buffer) - self.offset < self.row_len:
+            ids = encode_document(self.tokenizer, self._next_doc())
+            self.buffer, self.offset = self.buffer[self.offset :] + ids, 0
+        row = self.buffer[self.offset : self.offset + self.row_len]
+        self.offset += self.row_len
+        return row
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "epoch_docs": self.epoch_docs,
+            "batch_state": self.batch_state,
+            "pos": self.pos,
+            "buffer": self.buffer[self.offset :],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.epoch_docs, self.batch_state = state["epoch"], state["epoch_docs"], state["batch_state"]
+        self.buffer, self.offset = list(state["buffer"]), 0
+        self.batches, self.docs, self.pos = None, [], 0
+        if state["pos"]:  # re-read the batch the saved position is in
+            self._fetch()
+            self.pos = state["pos"]
+
+
+@dataclass(frozen=True)
+class _Phase:
+    start_step: int
+    keys: list[str]
+    cum_weights: list[float]
+
+
+def _phases(cfg: Data, split: str) -> list[tuple[int, list[DataSource]]]:
+    """[(start_step, sources)]; validation uses the final mixture (the data the run ends on) from step 0."""
+    if not (cfg.sources or cfg.phases):
+        raise ValueError("no training data: set [[data.sources]] or [[data.phases]]")
+    if cfg.sources and cfg.phases:
+        raise ValueError("set either [[data.sources]] or [[data.phases]], not both")
+    if cfg.phases and cfg.phases[0].start_step != 0:
+        raise ValueError(f"the first of [[data.phases]] must start at step 0, got {cfg.phases[0].start_step}")
+    phases = [(p.start_step, p.sources) for p in cfg.phases] or [(0, cfg.sources)]
+    return [(0, phases[-1][1])] if split == "validation" else phases
+
+
+class PackedDataset(IterableDataset):
+    """Rows of seq_len + 1 tokens: phases of weighted mixtures of packed sources, stateful for resume."""
+
+    def __init__(
+        self,
+        cfg: Data,
+        tokenizer: Tokenizer,
+        *,
+        seq_len: int,
+        local_batch_size: int,
+        rows_per_step: int,
+        dp_rank: int,
+        dp_world: int,
+        seed: int,
+        split: str = "train",
+    ):
+        if split not in _SPLITS:
+            raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
+        if split == "validation" and cfg.validation_fraction <= 0:
+            raise ValueError("split='validation' needs data.validation_fraction > 0 (documents held out of training)")
+        if rows_per_step % local_batch_size:
+            raise ValueError(
+                f"rows_per_step ({rows_per_step}) must be a multiple of local_batch_size ({local_batch_size})"
+            )
+        self.cfg, self.tokenizer, self.seq_len, self.split = cfg, tokenizer, seq_len, split
+        self.batch, self.rows_per_step = local_batch_size, rows_per_step
+        self.dp_rank, self.dp_world, self.seed = dp_rank, dp_world, seed
+        self.sources: dict[str, DataSource] = {}
+        self.phases: list[_Phase] = []
+        for start, sources in _phases(cfg, split):
+            total = sum(s.weight for s in sources)
+            if not sources or not total > 0:
+                raise ValueError(f"data phase at step {start}: weights must sum to a positive number, got {total}")
+            for s in sources:
+                self.sources.setdefault(_source_key(s), s)
+            cum = np.cumsum([s.weight / total for s in sources]).tolist()
+            self.phases.append(_Phase(start, [_source_key(s) for s in sources], cum))
+        self.starts = [p.start_step for p in self.phases]
+        self.start_row = 0  # first row index (set when the data restarts after resharding)
+        self.rows = 0  # rows yielded by this worker
+        self.streams: dict[str, _SourceStream] = {}
+        self._pending: dict[str, Any] | None = None
+
+    def _worker(self) -> tuple[int, int]:
+        info = get_worker_info()
+        return (0, 1) if info is None else (info.id, info.num_workers)
+
+    def _row_index(self, local: int) -> int:
+        """Row index on this rank of this worker's ``local``-th row (workers yield whole batches in turn)."""
+        worker, workers = self._worker()
+        batch = (local // self.batch) * workers + worker
+        return self.start_row + batch * self.batch + local % self.batch
+
+    def _pick(self, row: int) -> str:
+        step = row // self.rows_per_step
+        phase = self.phases[bisect.bisect_right(self.starts, step) - 1]
+        u = np.random.default_rng([self.seed, self.dp_rank, _SPLITS.index(self.split), row]).random()
+        return phase.keys[min(bisect.bisect_right(phase.cum_weights, u), len(phase.keys) - 1)]
+
+    def _make_streams(self) -> None:
+        worker, workers = self._worker()
+        reader = _Reader(
+            index=self.dp_rank * workers + worker,
+            count=self.dp_world * workers,
+            validation=self.split == "validation",
+            validation_fraction=self.cfg.validation_fraction,
+        )
+        self.streams = {k: _SourceStream(s, self.tokenizer, self.seq_len, reader) for k, s in self.sources.items()}
+        if self._pending is not None:
+            self.rows = self._pending["rows"]
+            for key, state in self._pending["streams"].items():
+                self.streams[key].load_state_dict(state)
+            self._pending = None
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        if not self.streams or self._pending is not None:
+            self._make_streams()
+        while True:
+            key = self._pick(self._row_index(self.rows))
+            row = self.streams[key].next_row()
+            self.rows += 1
+            yield torch.tensor(row, dtype=torch.long)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._pending is not None:
+            return self._pending
+        return {
+            _STATE_KEY: 1,
+            "rows": self.rows,
+            "streams": {k: s.state_dict() for k, s in self.streams.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unknown = set(state["streams"]) - set(self.sources)
+        if unknown:
+            raise ValueError(f"data state has sources {sorted(unknown)} that the data config no longer has")
+        self._pending = state
+
+
+def _collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    batch = torch.stack(rows)
+    return {"input_ids": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous()}
+
+
+def _dataset_states(obj: Any) -> Iterator[dict]:
+    """Every PackedDataset state nested in a StatefulDataLoader state (one per worker)."""
+    if isinstance(obj, dict):
+        if _STATE_KEY in obj:
+            yield obj
+        else:
+            for value in obj.values():
+                yield from _dataset_states(value)
+
+
+class DataLoader(StatefulDataLoader):
+    """StatefulDataLoader whose state also records the data geometry, to detect resharding on resume."""
+
+    def __init__(self, dataset: PackedDataset, num_workers: int, reshard: str):
+        super().__init__(
+            dataset,
+            batch_size=dataset.batch,
+            num_workers=num_workers,
+            collate_fn=_collate,
+            pin_memory=torch.cuda.is_available(),
+        )
+        self.reshard = reshard
+        self.geometry = {
+            "dp_world": dataset.dp_world,
+            "num_workers": num_workers,
+            "local_batch_size": dataset.batch,
+            "rows_per_step": dataset.rows_per_step,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loader": super().state_dict(), "geometry": self.geometry}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume exactly; with another geometry, refuse or (data.reshard = 'restart') restart the streams."""
+        if state["geometry"] == self.geometry:
+            return super().load_state_dict(state["loader"])
+        old, loader = state["geometry"], state["loader"]
+        step = loader.get("_num_yielded", 0) * old["local_batch_size"] // old["rows_per_step"]
+        if self.reshard != "restart":
+            raise ValueError(
+                f"the data state was saved with {old}, this run has {self.geometry}: a data position cannot "
+                f"be resharded exactly; set data.reshard = 'restart' to restart the data streams at a new "
+                f"epoch from step {step}"
+            )
+        epochs = [s["epoch"] for d in _dataset_states(loader) for s in d["streams"].values()]
+        self.restart(step, epoch=1 + max(epochs, default=0))
+
+    def restart(self, step: int, epoch: int) -> None:
+        """Start every source afresh at ``epoch`` (a deterministic new pass), with rows numbered from ``step``.
+
+        For resuming on another geometry, where no exact position exists; the phases and the mixture
+        stay aligned with the optimizer steps.
+        """
+        logger.warning(f"data: restarting every source at epoch {epoch} from step {step} ({self.geometry})")
+        dataset = self.dataset
+        dataset.start_row = step * dataset.rows_per_step
+        fresh = {"epoch": epoch, "epoch_docs": 0, "batch_state": None, "pos": 0, "buffer": []}
+        dataset.load_state_dict({_STATE_KEY: 1, "rows": 0, "streams": {k: dict(fresh) for k in dataset.sources}})
+        super().load_state_dict({})
+
+
+def build_dataloader(
+    cfg_data: Data,
+    tokenizer: Tokenizer,
+    *,
+    seq_len: int,
+    local_batch_size: int,
+    rows_per_step: int,
+    dp_rank: int,
+    dp_world: int,
+    seed: int,
+    split: str = "train",
+) -> DataLoader:
+    """Batches {"input_ids", "labels"} of shape (local_batch_size, seq_len) for one data-parallel rank.
+
+    ``rows_per_step`` = local_batch_size * grad-accumulation steps: it maps rows to optimizer steps,
+    which select the data phase.
+    """
+    dataset = PackedDataset(
+        cfg_data,
+        tokenizer,
+        seq_len=seq_len,
+        local_batch_size=local_batch_size,
+        rows_per_step=rows_per_step,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        seed=seed,
+        split=split,
+    )
+    return DataLoader(dataset, num_workers=cfg_data.num_workers, reshard=cfg_data.reshard)
+
+
+def _all_sources(cfg: Data) -> list[DataSource]:
+    return list({_source_key(s): s for _, sources in _phases(cfg, "train") for s in sources}.values())
+
+
+def _check_tokenized_files(s: DataSource, seq_len: int) -> None:
+    """Row lengths of the first row group of each pre-tokenized file (cheap, catches a wrong seq_len)."""
+    for path in _source_files(s):
+        f = pq.ParquetFile(path)
+        if TOKENS_COLUMN not in f.schema_arrow.names:
+            raise ValueError(f"{path}: no {TOKENS_COLUMN!r} column (columns: {f.schema_arrow.names})")
+        if f.num_row_groups == 0:
+            continue
+        lengths = pc.unique(pc.list_value_length(f.read_row_group(0, columns=[TOKENS_COLUMN])[TOKENS_COLUMN]))
+        bad = [n for n in lengths.to_pylist() if n != seq_len + 1]
+        if bad:
+            raise ValueError(f"{path}: pre-tokenized rows of {bad[0]} tokens, expected seq_len + 1 = {seq_len + 1}")
+
+
+def _check_source(s: DataSource, seq_len: int) -> None:
+    """Open a source and read its first document: missing files, empty data and absent fields fail here."""
+    name = s.name or s.path
+    if s.kind == "tokenized":
+        _check_tokenized_files(s, seq_len)
+    ds = open_source(s)
+    try:
+        first = next(iter(ds))
+    except StopIteration:
+        raise ValueError(f"data source {name!r}: empty dataset ({s.path})") from None
+    except (KeyError, ValueError) as e:  # select_columns on a missing column fails lazily
+        raise ValueError(f"data source {name!r}: field {_column(s)!r} not found in {s.path} ({e})") from None
+    if _column(s) not in first:
+        raise ValueError(f"data source {name!r}: field {_column(s)!r} not found in {s.path}")
+
+
+def check_data_config(cfg_data: Data, tokenizer: Tokenizer, seq_len: int, model_vocab_size: int | None = None) -> None:
+    """Fail before training, with one line, on data the run could not use."""
+    for start, sources in _phases(cfg_data, "train"):
+        total = sum(s.weight for s in sources)
+        if not total > 0:
+            raise ValueError(f"data phase at step {start}: weights must sum to a positive number, got {total}")
+    if model_vocab_size is not None:
+        check_vocab(tokenizer, model_vocab_size)
+    for s in _all_sources(cfg_data):
+        _check_source(s, seq_len)

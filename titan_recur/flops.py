@@ -1,0 +1,332 @@
+"""Parameter counts, FLOPs and MFU of a depth-recurrent LM, analytically from ModelArgs (SPEC §4).
+
+TorchTitan's 6 * N FLOPs/token counts each parameter once, which is wrong for a looped model. Two
+conventions are provided instead:
+
+- "full": the model FLOPs of the micro-steps actually run. Matmuls only, 2 FLOPs per
+  multiply-accumulate: the block projections, the adapter, the LM head and the attention score
+  and value matmuls (per block per iteration). Norms, RoPE, activations, residuals, biases,
+  softmax and the loss are excluded, and the embedding lookup costs nothing. Backward is twice the
+  forward for everything that receives gradients; the n no-grad iterations are forward only.
+  Activation-checkpointing recompute is reported separately and is not model FLOPs (MFU uses
+  ``FlopBreakdown.total``).
+- "paper": the reference's 6 * tokens * [N_prelude + N_coda + N_core*min(r, d) + N_core*max(r - d, 0)/3]
+  with r the scheduled integer mean and d the backprop depth: non-embedding parameters only, no
+  attention, adapter or head, the sampler's spread and +1 ignored. A static model is 6 * tokens * N.
+
+Optimizer steps are numbered 1..S as in the trainer (titan_recur.train), whose step number seeds the
+sampler and indexes the curriculum: cumulative FLOPs "after S steps" sum steps 1..S, and the full
+convention replays the trainer's draws exactly. That also reproduces the reference's 9.664e19 for
+TinyLlama 4,8,4 at step 20,000 (its histogram counts the 20,000 steps completed).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import asdict, dataclass
+
+import torch
+
+from titan_recur.models.args import ModelArgs
+from titan_recur.parallelize import AC_MODES
+from titan_recur.recurrence import RecurrenceSchedule
+
+CONVENTIONS = ("paper", "full")
+DEFAULT_BACKPROP_DEPTH = 8
+
+# Dense bf16 peak FLOP/s per torch device, matched as a case-insensitive substring of
+# torch.cuda.get_device_name(); first match wins, so specific names precede general ones.
+# An MI250X/MI250 module shows up as two devices (one per GCD): the entries are per GCD.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("MI355X", 2.5e15),
+    ("MI325X", 1307e12),
+    ("MI300X", 1307e12),
+    ("MI300A", 980.6e12),
+    ("MI250X", 191.5e12),
+    ("MI250", 181e12),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+
+
+def _block_matmul_params(args: ModelArgs) -> int:
+    """Weights of one block's matmuls: q, k, v, o and the three SwiGLU matrices."""
+    q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    return 2 * args.dim * q_dim + 2 * args.dim * kv_dim + 3 * args.dim * args.ffn_dim
+
+
+def block_params(args: ModelArgs) -> int:
+    """All parameters of one transformer block: matmuls, biases and norms (OLMo-2 adds q/k norms)."""
+    q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    count = _block_matmul_params(args) + 2 * args.dim
+    if args.attention_bias:
+        count += q_dim + 2 * kv_dim + args.dim
+    if args.mlp_bias:
+        count += 2 * args.ffn_dim + args.dim
+    if args.block_type == "olmo2":
+        count += q_dim + kv_dim
+    return count
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters per part; ``core`` counts the R core blocks once, ``head`` is 0 when tied."""
+
+    embedding: int
+    prelude: int
+    core: int
+    adapter: int
+    coda: int
+    final_norm: int
+    head: int
+
+    @property
+    def non_embedding(self) -> int:
+        """The paper's N: every block plus the final norm; no embedding, head or adapter."""
+        return self.prelude + self.core + self.coda + self.final_norm
+
+    @property
+    def total(self) -> int:
+        return sum(asdict(self).values())
+
+
+def param_counts(args: ModelArgs) -> ParamCounts:
+    """Parameter counts per part, from the shape alone (no model is built)."""
+    per_block = block_params(args)
+    return ParamCounts(
+        embedding=args.vocab_size * args.dim,
+        prelude=args.n_prelude * per_block,
+        core=args.n_core * per_block,
+        adapter=2 * args.dim * args.dim if args.is_recurrent else 0,
+        coda=args.n_coda * per_block,
+        final_norm=args.dim,
+        head=0 if args.tie_embeddings else args.vocab_size * args.dim,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Full convention: model FLOPs per token
+
+
+@dataclass(frozen=True)
+class FlopBreakdown:
+    """FLOPs per token of one micro-step. ``total`` = forward + backward: the model FLOPs behind MFU.
+
+    ``recompute`` is the extra forward that activation checkpointing runs in backward; ``executed``
+    adds it for the FLOPs the hardware actually performs.
+    """
+
+    forward: float
+    backward: float
+    recompute: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+    @property
+    def executed(self) -> float:
+        return self.total + self.recompute
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total, "executed": self.executed}
+
+
+def attention_flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Forward score + value matmuls of one block, over the full T x T square.
+
+    That is what FlopCounterMode counts for SDPA; causal kernels skip about half of it. Backward is
+    2x (four matmuls); FlopCounterMode's flash/efficient backward formula adds the recompute of the
+    scores (2.5x), which is not model FLOPs.
+    """
+    return 4 * seq_len * args.n_heads * args.head_dim
+
+
+def _block_flops(args: ModelArgs, seq_len: int) -> float:
+    return 2 * _block_matmul_params(args) + attention_flops_per_token(args, seq_len)
+
+
+def _check_num_steps(args: ModelArgs, num_steps: tuple[int, int]) -> tuple[int, int]:
+    """(n, k) as ints; a recurrent model needs at least one iteration. A static model ignores them."""
+    n, k = (int(v) for v in num_steps)
+    if n < 0 or k < 0 or (args.is_recurrent and n + k < 1):
+        raise ValueError(f"num_steps must give at least one iteration and no negative counts, got {num_steps}")
+    return n, k
+
+
+def training_flops_per_token(
+    args: ModelArgs, num_steps: tuple[int, int], seq_len: int, ac_mode: str = "none"
+) -> FlopBreakdown:
+    """FLOPs per token of a training micro-step with n no-grad then k grad core iterations.
+
+    Gradients reach the head, the coda, the k grad iterations and, through the injection e, the
+    prelude (when k >= 1). ac_mode follows the parallelize recipe: prelude/coda blocks are recomputed,
+    plus per grad iteration the adapter and R blocks ("per_iteration") or the R blocks ("full").
+    That recompute is exact for eager checkpointing without early stop; torch's default early stop
+    skips each region's final down_proj, and compiled regions recompute what the partitioner picks.
+    """
+    if ac_mode not in AC_MODES:
+        raise ValueError(f"ac_mode must be one of {AC_MODES}, got {ac_mode!r}")
+    n, k = _check_num_steps(args, num_steps)
+    if not args.is_recurrent:
+        n, k = 0, 0
+    block = _block_flops(args, seq_len)
+    adapter = 2 * 2 * args.dim * args.dim
+    iteration = adapter + args.n_core * block
+    head = 2 * args.dim * args.vocab_size
+    prelude, coda = args.n_prelude * block, args.n_coda * block
+    # The prelude gets gradients through the injection e only if some iteration carries grad.
+    prelude_grad = prelude if (k > 0 or not args.is_recurrent) else 0.0
+    forward = prelude + (n + k) * iteration + coda + head
+    backward = 2 * (prelude_grad + k * iteration + coda + head)
+    recompute = 0.0
+    if ac_mode != "none":
+        core_recompute = iteration if ac_mode == "per_iteration" else args.n_core * block
+        recompute = prelude_grad + k * core_recompute + coda
+    return FlopBreakdown(forward, backward, recompute)
+
+
+def eval_flops_per_token(args: ModelArgs, num_iterations: int, seq_len: int) -> float:
+    """Forward FLOPs per token at r iterations (no gradients), e.g. validation at test recurrence r."""
+    return training_flops_per_token(args, (num_iterations, 0), seq_len).forward
+
+
+# ---------------------------------------------------------------------------------------------
+# Paper convention
+
+
+def paper_flops_per_token(args: ModelArgs, mean: int, backprop_depth: int = DEFAULT_BACKPROP_DEPTH) -> float:
+    """6 * [N_prelude + N_coda + N_core*min(r, d) + N_core*max(r - d, 0)/3]; static models: 6 * N.
+
+    The final norm is counted with the coda, so that a static model (R = 0) gives the reference's
+    static 6 * N_nonembedding; the reference's recurrent count leaves those d parameters out.
+    """
+    counts = param_counts(args)
+    grad_iterations = min(mean, backprop_depth)
+    no_grad_iterations = max(mean - backprop_depth, 0)
+    effective = counts.prelude + counts.coda + counts.final_norm
+    effective += counts.core * grad_iterations + counts.core * no_grad_iterations / 3
+    return 6 * effective
+
+
+# ---------------------------------------------------------------------------------------------
+# Cumulative training FLOPs and compute matching
+
+
+class TrainingRun:
+    """A model trained under a recurrence schedule: FLOPs per step and cumulative, in both conventions.
+
+    The "full" convention draws (n, k) for every micro-step from the schedule's sampler with the
+    trainer's (step, micro_step) seeds. Cumulative sums are cached, so repeated queries are cheap.
+    A static model needs no schedule.
+    """
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        schedule: RecurrenceSchedule | None,
+        tokens_per_step: int,
+        seq_len: int,
+        micro_steps: int = 1,
+    ) -> None:
+        if args.is_recurrent and schedule is None:
+            raise ValueError("a recurrent model needs a recurrence schedule")
+        if micro_steps < 1 or tokens_per_step < 1 or seq_len < 1:
+            raise ValueError("tokens_per_step, seq_len and micro_steps must be >= 1")
+        self.args = args
+        self.schedule = schedule
+        self.tokens_per_step = tokens_per_step
+        self.seq_len = seq_len
+        self.micro_steps = micro_steps
+        self._per_token: dict[tuple[int, int], float] = {}
+        # _cumulative[c][s] = FLOPs of steps 1..s.
+        self._cumulative: dict[str, list[float]] = {c: [0.0] for c in CONVENTIONS}
+
+    def step_flops(self, step: int, convention: str) -> float:
+        """FLOPs of optimizer step ``step`` (1-based, all its micro-steps)."""
+        if convention == "paper":
+            if not self.args.is_recurrent:
+                return self.tokens_per_step * paper_flops_per_token(self.args, 1)
+            mean, depth = self.schedule.mean(step), self.schedule.backprop_depth(step)
+            return self.tokens_per_step * paper_flops_per_token(self.args, mean, depth)
+        if convention != "full":
+            raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+        if not self.args.is_recurrent:
+            return self.tokens_per_step * self._full_per_token((0, 0))
+        tokens = self.tokens_per_step / self.micro_steps
+        return sum(tokens * self._full_per_token(self.schedule.sample(step, m)) for m in range(self.micro_steps))
+
+    def cumulative_flops(self, steps: int, convention: str) -> float:
+        """FLOPs after ``steps`` optimizer steps (steps 1..steps)."""
+        return self._cumulative_upto(steps, convention)[steps]
+
+    def steps_for_flops(self, flops: float, convention: str) -> float:
+        """The (fractional) number of steps whose cumulative FLOPs equal ``flops``."""
+        if flops <= 0:
+            return 0.0
+        if not self.args.is_recurrent:
+            return flops / self.step_flops(1, convention)
+        cumulative = self._cumulative_upto(0, convention)
+        while cumulative[-1] < flops:
+            self._cumulative_upto(2 * len(cumulative), convention)
+        steps = bisect.bisect_left(cumulative, flops) - 1
+        return steps + (flops - cumulative[steps]) / (cumulative[steps + 1] - cumulative[steps])
+
+    def _cumulative_upto(self, steps: int, convention: str) -> list[float]:
+        if convention not in CONVENTIONS:
+            raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        cumulative = self._cumulative[convention]
+        for step in range(len(cumulative), steps + 1):
+            cumulative.append(cumulative[-1] + self.step_flops(step, convention))
+        return cumulative
+
+    def _full_per_token(self, num_steps: tuple[int, int]) -> float:
+        if num_steps not in self._per_token:
+            self._per_token[num_steps] = training_flops_per_token(self.args, num_steps, self.seq_len).total
+        return self._per_token[num_steps]
+
+
+def matching_steps(run: TrainingRun, steps: int, other: TrainingRun, convention: str) -> float:
+    """Steps of ``other`` that cost as many FLOPs as ``steps`` steps of ``run``."""
+    return other.steps_for_flops(run.cumulative_flops(steps, convention), convention)
+
+
+# ---------------------------------------------------------------------------------------------
+# MFU
+
+
+def peak_flops(device_name: str | None = None, override: float | None = None) -> float | None:
+    """Dense bf16 peak FLOP/s of a device: ``override`` if given, else a table lookup.
+
+    With no name, the current CUDA/ROCm device is asked. None (never a guess) on CPU or for a device
+    missing from PEAK_BF16_FLOPS: pass ``override`` there.
+    """
+    if override is not None:
+        if override <= 0:
+            raise ValueError(f"peak FLOP/s override must be > 0, got {override}")
+        return float(override)
+    if device_name is None:
+        if not torch.cuda.is_available():
+            return None
+        device_name = torch.cuda.get_device_name()
+    name = device_name.lower()
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key.lower() in name), None)
+
+
+def mfu(flops_per_sec: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation per device, or None when the peak is unknown."""
+    return None if peak is None else flops_per_sec / peak

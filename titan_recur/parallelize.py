@@ -1,0 +1,108 @@
+"""The parallelize recipe, applied in TorchTitan's order: activation checkpointing -> per-block compile -> FSDP2.
+
+Where a looped block breaks TorchTitan's assumptions:
+- The recurrent core is ONE FSDP unit (the loop owner), so its weights are all-gathered once in forward
+  and once in backward and reduce-scattered once per step, whatever the number of iterations.
+- Compile wraps each block, never the loop: the loop stays plain Python, so the number of iterations
+  never enters a graph and never triggers a recompile.
+- Activation checkpointing of the core is per grad-carrying iteration; no-grad iterations store nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from titan_recur.models.model import RecurrentLM
+
+AC_MODES = ("none", "full", "per_iteration")
+
+
+def build_dp_mesh(device_type: str, world_size: int, dp_replicate: int, dp_shard: int) -> DeviceMesh:
+    """1-D mesh for FSDP, 2-D (dp_replicate, dp_shard) for HSDP; dp_shard=-1 takes the rest of the world."""
+    if dp_shard == -1:
+        if world_size % dp_replicate:
+            raise ValueError(f"world size {world_size} is not divisible by parallel.dp_replicate={dp_replicate}")
+        dp_shard = world_size // dp_replicate
+    if dp_replicate * dp_shard != world_size:
+        raise ValueError(
+            f"parallel.dp_replicate ({dp_replicate}) x parallel.dp_shard ({dp_shard}) = "
+            f"{dp_replicate * dp_shard} does not match the world size {world_size}"
+        )
+    if dp_replicate == 1:
+        return init_device_mesh(device_type, (dp_shard,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def apply_activation_checkpointing(model: RecurrentLM, mode: str) -> None:
+    """Checkpoint prelude/coda blocks, and the core per iteration ("per_iteration") or per block ("full")."""
+    if mode not in AC_MODES:
+        raise ValueError(f"ac_mode must be one of {AC_MODES}, got {mode!r}")
+    if mode == "none":
+        return
+    for blocks in (model.prelude, model.coda):
+        for i, block in enumerate(blocks):
+            blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    if model.core is None:
+        return
+    if mode == "per_iteration":
+        model.core.checkpoint_iterations = True
+    else:
+        for i, block in enumerate(model.core.blocks):
+            model.core.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def transformer_blocks(model: RecurrentLM) -> list[nn.Module]:
+    """Every block of every stack, in order (possibly AC-wrapped)."""
+    core_blocks = list(model.core.blocks) if model.core is not None else []
+    return [*model.prelude, *core_blocks, *model.coda]
+
+
+def apply_compile(model: RecurrentLM) -> None:
+    """Compile each block on its own; the same graphs serve every iteration of the loop."""
+    for block in transformer_blocks(model):
+        block.compile(fullgraph=True)
+
+
+def apply_fsdp(model: RecurrentLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None) -> None:
+    """fully_shard per prelude/coda block, the whole core as one unit, embeddings, norm+head, root.
+
+    With tied embeddings, embedding and head must share one FSDP group (a parameter may live in only
+    one): both stay in the root group then.
+    """
+    kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    for block in [*model.prelude, *model.coda]:
+        fully_shard(block, **kwargs)
+    if model.core is not None:
+        fully_shard(model.core, **kwargs)
+    if not model.args.tie_embeddings:
+        fully_shard(model.embed_tokens, **kwargs)
+        # The head's output is the last thing in forward: keep it gathered for backward.
+        fully_shard([model.norm, model.lm_head], reshard_after_forward=False, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+
+
+def mixed_precision_policy(device_type: str, param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy | None:
+    """bf16 compute over fp32 master weights on accelerators; plain fp32 on CPU."""
+    if device_type == "cpu":
+        return None
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=getattr(torch, reduce_dtype))
+
+
+def parallelize_model(
+    model: RecurrentLM,
+    mesh: DeviceMesh | None,
+    *,
+    ac_mode: str,
+    compile_blocks: bool,
+    mp_policy: MixedPrecisionPolicy | None,
+) -> RecurrentLM:
+    apply_activation_checkpointing(model, ac_mode)
+    if compile_blocks:
+        apply_compile(model)
+    if mesh is not None:
+        apply_fsdp(model, mesh, mp_policy)
+    return model

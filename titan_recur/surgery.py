@@ -1,0 +1,555 @@
+"""Surgery (SPEC §2): turn a pretrained HF Llama / OLMo-2 checkpoint into a depth-recurrent model folder.
+
+The source layers are split into prelude / core / coda (the rest dropped), renamed into the
+RecurrentLM layout and joined by a new adapter. With the identity adapter A = [0 | I] and r = 1 the
+result computes exactly the source model restricted to the kept layers, whatever the state init.
+
+Everything is validated (config, layer plan, every tensor's presence and shape, the output folder)
+before anything is written, and the output appears by one rename, so a failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from titan_recur.models.args import ModelArgs
+from titan_recur.models.io import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    copy_tokenizer_files,
+    read_model_args,
+    savable_state_dict,
+    write_model_args,
+)
+from titan_recur.models.model import RecurrentLM, init_identity_adapter
+from titan_recur.models.rope import SUPPORTED_ROPE_TYPES
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Olmo2ForCausalLM": "olmo2"}
+_ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+_DEFAULT_NORM_EPS = {"LlamaForCausalLM": 1e-6, "Olmo2ForCausalLM": 1e-5}  # transformers' defaults
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "source": None}
+INDEX_NAME = "model.safetensors.index.json"
+PROVENANCE_NAME = "conversion.json"
+# What a hub download fetches: configs, safetensors weights, tokenizers (Llama-3 keeps its tiktoken
+# file under original/, next to the multi-GB original/consolidated.00.pth, which is not fetched).
+HUB_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "original/tokenizer.model"]
+_HUB_ID = re.compile(r"\w[\w.-]*/\w[\w.-]*")
+_BLOCK_NAME = re.compile(r"(prelude|core\.blocks|coda)\.(\d+)\.(.+)")
+
+
+class ConversionError(ValueError):
+    """Bad input to a conversion; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Source layer indices per part, in the order they run; an empty core means a static model."""
+
+    n_source_layers: int
+    prelude: tuple[int, ...]
+    core: tuple[int, ...]
+    coda: tuple[int, ...]
+
+    @property
+    def dropped(self) -> tuple[int, ...]:
+        kept = {*self.prelude, *self.core, *self.coda}
+        return tuple(i for i in range(self.n_source_layers) if i not in kept)
+
+    @property
+    def is_static(self) -> bool:
+        return not self.core
+
+    def source_layers(self) -> dict[str, list[int]]:
+        parts = ("prelude", "core", "coda", "dropped")
+        return {part: list(getattr(self, part)) for part in parts}
+
+    def part(self, name: str) -> tuple[int, ...]:
+        """Layers of a RecurrentLM block list by its module prefix ("prelude", "core.blocks", "coda")."""
+        return {"prelude": self.prelude, "core.blocks": self.core, "coda": self.coda}[name]
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """Model choices made at conversion time (written into the output's ModelArgs)."""
+
+    adapter_init: str = "identity"
+    state_init: str = "normal"
+    # None = the natural sqrt(2 / (5 d)); the reference used sqrt(2 / (5 * 5280)) = 0.0087 by accident.
+    state_std: float | None = None
+    tie_embeddings: bool = False
+    # Eval depth written to the config (forward() without num_steps); 4 is the smallest paper train mean.
+    mean_recurrence: int = 4
+    dtype: str = "float32"
+    # Seeds the random adapter init (nn.Linear's default init).
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SourceModel:
+    """A local HF checkpoint folder and what its config.json says."""
+
+    folder: Path
+    config: dict[str, Any]
+    architecture: str
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", False))
+
+
+# ---------------------------------------------------------------- layer plans
+
+
+def parse_layers(text: str) -> list[int]:
+    """'0-3,7,9-10' -> [0, 1, 2, 3, 7, 9, 10], order kept; '' -> []."""
+    layers: list[int] = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
+        if not match or int(match[2] or match[1]) < int(match[1]):
+            raise ConversionError(f"bad layer list {text!r}: expected indices and ascending ranges like 0,2,5-7")
+        layers.extend(range(int(match[1]), int(match[2] or match[1]) + 1))
+    return layers
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'4,8,4' -> (4, 8, 4)."""
+    match = re.fullmatch(r"\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*", text)
+    if not match:
+        raise ConversionError(f"bad shape {text!r}: expected P,R,C (prelude, core, coda layer counts) like 4,8,4")
+    return int(match[1]), int(match[2]), int(match[3])
+
+
+def format_layers(layers: Sequence[int]) -> str:
+    """Inverse of parse_layers: [0, 1, 2, 3, 7] -> '0-3,7'; [] -> '-'."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs) or "-"
+
+
+def plan_layers(
+    n_layers: int,
+    shape: tuple[int, int, int] | None = None,
+    prelude: Sequence[int] | None = None,
+    core: Sequence[int] | None = None,
+    coda: Sequence[int] | None = None,
+    static: bool = False,
+) -> LayerPlan:
+    """Choose the source layers of each part.
+
+    shape (P, R, C): prelude = first P, coda = last C, core = the R layers just before the coda.
+    Explicit lists are used as given (missing ones are empty). static: the kept layers (all layers
+    when nothing is given) become one plain stack in the prelude, with no core and no adapter.
+    """
+    lists_given = any(part is not None for part in (prelude, core, coda))
+    if shape is not None and lists_given:
+        raise ConversionError("give either a shape or explicit --prelude/--core/--coda lists, not both")
+    if shape is not None:
+        prelude, core, coda = _shape_layers(n_layers, shape)
+    elif not lists_given and not static:
+        raise ConversionError("choose the layers: --shape P,R,C or --prelude/--core/--coda lists (or --static)")
+    elif not lists_given:
+        prelude = range(n_layers)
+    prelude, core, coda = tuple(prelude or ()), tuple(core or ()), tuple(coda or ())
+    _check_indices(n_layers, prelude + core + coda)
+    if static:
+        prelude, core, coda = prelude + core + coda, (), ()
+        if not prelude:
+            raise ConversionError("no layers selected")
+    elif not core:
+        raise ConversionError("the core is empty: a recurrent model needs at least one core layer (or use --static)")
+    return LayerPlan(n_layers, prelude, core, coda)
+
+
+def _shape_layers(n_layers: int, shape: tuple[int, int, int]) -> tuple[range, range, range]:
+    n_prelude, n_core, n_coda = shape
+    if min(shape) < 0:
+        raise ConversionError(f"shape {n_prelude},{n_core},{n_coda} has a negative count")
+    if n_prelude + n_core + n_coda > n_layers:
+        raise ConversionError(
+            f"shape {n_prelude},{n_core},{n_coda} needs {n_prelude + n_core + n_coda} layers; the source has {n_layers}"
+        )
+    core_start = n_layers - n_coda - n_core
+    return range(n_prelude), range(core_start, n_layers - n_coda), range(n_layers - n_coda, n_layers)
+
+
+def _check_indices(n_layers: int, layers: tuple[int, ...]) -> None:
+    for i in layers:
+        if not 0 <= i < n_layers:
+            raise ConversionError(f"layer {i} is out of range: the source has layers 0-{n_layers - 1}")
+    repeated = sorted({i for i in layers if layers.count(i) > 1})
+    if repeated:
+        raise ConversionError(f"layer {repeated[0]} is selected more than once; each source layer may be used once")
+
+
+# ---------------------------------------------------------------- source
+
+
+def resolve_source(source: str, revision: str | None = None) -> Path:
+    """A local folder as is; otherwise a hub id, downloaded (safetensors, configs, tokenizer only)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or not _HUB_ID.fullmatch(source):
+        raise ConversionError(f"{source}: not a local folder (nor a hub id like owner/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, revision=revision, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # network, auth, missing repo: one line for the user
+        reason = (str(e).splitlines() or [""])[0]
+        raise ConversionError(
+            f"{source}: not a local folder, and the hub download failed: {type(e).__name__}: {reason}"
+        ) from None
+
+
+def read_source(folder: str | Path) -> SourceModel:
+    """Read and check the source config: a supported architecture with SiLU MLPs."""
+    folder = Path(folder)
+    config_path = folder / CONFIG_NAME
+    if not config_path.is_file():
+        raise ConversionError(f"{config_path}: no such file (is {folder} an HF model folder?)")
+    config = json.loads(config_path.read_text())
+    model_type = config.get("model_type")
+    architecture = (config.get("architectures") or [_ARCHITECTURE_OF_MODEL_TYPE.get(model_type, model_type)])[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ConversionError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if config.get("hidden_act", "silu") != "silu":
+        raise ConversionError(f"unsupported hidden_act {config['hidden_act']!r} in {architecture}; only silu (SwiGLU)")
+    return SourceModel(folder, config, architecture)
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """theta and scaling from top-level keys (real Llama-3 configs) or rope_parameters (transformers 5)."""
+    params = dict(config.get("rope_parameters") or {})
+    theta = float(config.get("rope_theta", params.pop("rope_theta", 10000.0)))
+    params.pop("rope_theta", None)
+    scaling = dict(config.get("rope_scaling") or params)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConversionError(f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    return theta, (None if rope_type == "default" else scaling)
+
+
+def _first(token_id: int | list[int] | None) -> int | None:
+    """Configs may list several EOS ids (instruct models); the first is the document separator."""
+    if isinstance(token_id, list):
+        return token_id[0] if token_id else None
+    return token_id
+
+
+def hf_config_to_model_args(source: SourceModel, plan: LayerPlan, options: ConvertOptions) -> ModelArgs:
+    """ModelArgs of the converted model: the source's shapes, the plan's layer counts, the options."""
+    config = source.config
+    theta, scaling = _rope(config)
+    n_heads = int(config["num_attention_heads"])
+    try:
+        return ModelArgs(
+            vocab_size=int(config["vocab_size"]),
+            dim=int(config["hidden_size"]),
+            n_heads=n_heads,
+            n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // n_heads),
+            ffn_dim=int(config["intermediate_size"]),
+            n_prelude=len(plan.prelude),
+            n_core=len(plan.core),
+            n_coda=len(plan.coda),
+            block_type=SUPPORTED_ARCHITECTURES[source.architecture],
+            norm_eps=float(config.get("rms_norm_eps", _DEFAULT_NORM_EPS[source.architecture])),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_seq_len=int(config.get("max_position_embeddings", 2048)),
+            tie_embeddings=options.tie_embeddings,
+            attention_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            state_init=options.state_init,
+            state_std=options.state_std,
+            adapter_init=options.adapter_init,
+            mean_recurrence=options.mean_recurrence,
+            bos_id=_first(config.get("bos_token_id")),
+            eos_id=_first(config.get("eos_token_id")),
+            pad_id=_first(config.get("pad_token_id")),
+            source_layers=plan.source_layers(),
+        )
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+
+
+class SourceWeights:
+    """Tensor name -> safetensors file of a local checkpoint (one file or sharded), read lazily."""
+
+    def __init__(self, folder: Path) -> None:
+        if (folder / INDEX_NAME).is_file():
+            weight_map = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
+            self.files = {name: folder / file for name, file in weight_map.items()}
+        elif (folder / WEIGHTS_NAME).is_file():
+            with safe_open(str(folder / WEIGHTS_NAME), framework="pt") as f:
+                self.files = dict.fromkeys(f.keys(), folder / WEIGHTS_NAME)
+        else:
+            raise ConversionError(
+                f"{folder}: no {WEIGHTS_NAME} or {INDEX_NAME} (only safetensors checkpoints are supported)"
+            )
+        for file in sorted(set(self.files.values())):
+            if not file.is_file():
+                raise ConversionError(f"{file}: no such file (listed in {folder / INDEX_NAME})")
+        self._handles: dict[Path, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def _open(self, name: str) -> Any:
+        file = self.files[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt")
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._open(name).get_tensor(name)
+
+
+# ---------------------------------------------------------------- conversion
+
+
+def _meta_model(args: ModelArgs) -> RecurrentLM:
+    with torch.device("meta"):
+        return RecurrentLM(args)
+
+
+def target_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor the converted folder stores (a tied head is not stored), with its shape."""
+    return {name: tuple(t.shape) for name, t in savable_state_dict(_meta_model(args)).items()}
+
+
+def source_tensor_names(targets: Iterable[str], plan: LayerPlan, source_tied: bool) -> dict[str, str | None]:
+    """Each converted tensor name -> its source tensor name (None: the new adapter)."""
+    names: dict[str, str | None] = {}
+    for target in targets:
+        block = _BLOCK_NAME.fullmatch(target)
+        if block:
+            names[target] = f"model.layers.{plan.part(block[1])[int(block[2])]}.{block[3]}"
+        elif target == "core.adapter.weight":
+            names[target] = None
+        elif target == "lm_head.weight":
+            names[target] = "model.embed_tokens.weight" if source_tied else "lm_head.weight"
+        else:  # embed_tokens.weight, norm.weight
+            names[target] = f"model.{target}"
+    return names
+
+
+def _check_weights(
+    weights: SourceWeights, names: dict[str, str | None], shapes: dict[str, tuple[int, ...]], source: SourceModel,
+    tie: bool,
+) -> None:
+    """Every needed source tensor exists with the right shape; tying needs equal embedding and head."""
+    for target, name in names.items():
+        if name is None:
+            continue
+        if name not in weights:
+            raise ConversionError(f"{source.folder}: tensor {name} is missing from the checkpoint")
+        if weights.shape(name) != shapes[target]:
+            raise ConversionError(
+                f"{source.folder}: tensor {name} has shape {weights.shape(name)}, the config implies {shapes[target]}"
+            )
+    if tie and not source.tied:
+        if "lm_head.weight" not in weights or not torch.equal(
+            weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
+        ):
+            raise ConversionError(
+                "--tie-embeddings: the source's LM head is not its embedding (untied source); use --untie-embeddings"
+            )
+
+
+def adapter_weight(dim: int, init: str, seed: int) -> torch.Tensor:
+    """The new adapter A (d x 2d): identity [0 | I] or nn.Linear's default init, seeded."""
+    weight = torch.empty(dim, 2 * dim)
+    if init == "identity":
+        init_identity_adapter(weight)
+    else:
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=torch.Generator().manual_seed(seed))
+    return weight
+
+
+def check_output(output: Path, force: bool, source: Path | None = None) -> None:
+    """Refuse to write into an existing non-empty folder, or with --force over anything but a model folder."""
+    if source is not None and output.resolve() == source.resolve():
+        raise ConversionError(f"{output}: the output folder is the source folder")
+    if output.exists() and not output.is_dir():
+        raise ConversionError(f"{output} exists and is not a folder")
+    if not output.is_dir() or not any(output.iterdir()):
+        return
+    if not force:
+        raise ConversionError(f"{output} exists and is not empty; pass --force to overwrite it")
+    try:
+        read_model_args(output)
+    except (OSError, ValueError, TypeError):
+        raise ConversionError(
+            f"refusing to overwrite {output} with --force: it is not a converted model folder"
+        ) from None
+
+
+def convert(
+    source_dir: str | Path,
+    output_dir: str | Path,
+    plan: LayerPlan,
+    options: ConvertOptions = ConvertOptions(),
+    *,
+    force: bool = False,
+    dry_run: bool = False,
+    source_name: str | None = None,
+) -> ModelArgs:
+    """Convert a local HF checkpoint into OUTPUT (config.json, model.safetensors, tokenizer files).
+
+    Everything is checked before anything is written; dry_run checks and writes nothing.
+    source_name (e.g. a hub id) is recorded in OUTPUT/conversion.json instead of the folder path.
+    """
+    output = Path(output_dir)
+    source = read_source(source_dir)
+    check_output(output, force, source.folder)
+    if plan.n_source_layers != source.n_layers:
+        raise ConversionError(f"the plan is for {plan.n_source_layers} layers; the source has {source.n_layers}")
+    _check_options(options)
+    args = hf_config_to_model_args(source, plan, options)
+    weights = SourceWeights(source.folder)
+    shapes = target_shapes(args)
+    names = source_tensor_names(shapes, plan, source.tied)
+    _check_weights(weights, names, shapes, source, args.tie_embeddings)
+    if dry_run:
+        return args
+    state = _converted_state(weights, names, args, options)
+    provenance = {"source": source_name or str(source.folder), "architecture": source.architecture,
+                  "n_source_layers": source.n_layers, "options": dataclasses.asdict(options)}
+    _write_atomically(output, lambda tmp: _write_folder(tmp, args, state, source.folder, provenance))
+    return args
+
+
+def _check_options(options: ConvertOptions) -> None:
+    if options.dtype not in DTYPES:
+        raise ConversionError(f"unknown dtype {options.dtype!r}; choose from {', '.join(DTYPES)}")
+    if options.mean_recurrence < 1:
+        raise ConversionError(f"mean recurrence must be >= 1, got {options.mean_recurrence}")
+    if options.state_std is not None and not options.state_std > 0:
+        raise ConversionError(f"state std must be > 0, got {options.state_std}")
+
+
+def _converted_state(
+    weights: SourceWeights, names: dict[str, str | None], args: ModelArgs, options: ConvertOptions
+) -> dict[str, torch.Tensor]:
+    """Renamed source tensors plus the new adapter, cast to the requested dtype; no shared storage."""
+    # dtype "source" keeps each tensor's stored dtype; the new adapter takes the embedding's.
+    adapter_dtype = DTYPES[options.dtype] or weights.get("model.embed_tokens.weight").dtype
+    state = {}
+    for target, name in names.items():
+        if name is None:
+            state[target] = adapter_weight(args.dim, args.adapter_init, options.seed).to(adapter_dtype)
+        else:
+            tensor = weights.get(name)
+            state[target] = tensor.to(DTYPES[options.dtype] or tensor.dtype)
+    if "lm_head.weight" in state and names["lm_head.weight"] == names["embed_tokens.weight"]:
+        # A tied source, untied here: both reads return the same (mmapped) memory, which safetensors refuses.
+        state["lm_head.weight"] = state["lm_head.weight"].clone()
+    return state
+
+
+def _write_folder(
+    folder: Path, args: ModelArgs, state: dict[str, torch.Tensor], source: Path, provenance: dict[str, Any]
+) -> None:
+    write_model_args(args, folder)
+    save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    (folder / WEIGHTS_NAME).chmod(0o644)  # safetensors creates it owner-only; the model folder is shareable
+    copied = copy_tokenizer_files(source, folder)
+    # Llama-3 hub repos keep the tiktoken ranks file under original/.
+    if "tokenizer.model" not in copied and (source / "original" / "tokenizer.model").is_file():
+        shutil.copy2(source / "original" / "tokenizer.model", folder / "tokenizer.model")
+    (folder / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
+
+
+def _write_atomically(output: Path, write: Callable[[Path], None]) -> None:
+    """Build the folder beside OUTPUT, then swap it in by rename; on failure remove the partial folder."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
+    try:
+        tmp.chmod(0o755)
+        write(tmp)
+        if output.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=output.parent))
+            output.replace(old / output.name)
+            tmp.replace(output)
+            shutil.rmtree(old)
+        else:
+            tmp.replace(output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ---------------------------------------------------------------- summary
+
+
+_PARAM_PARTS = {
+    "embed_tokens": "embedding", "prelude": "prelude", "core.blocks": "core", "core.adapter": "adapter",
+    "coda": "coda", "norm": "norm", "lm_head": "head",
+}
+
+
+def count_parameters(args: ModelArgs) -> dict[str, int]:
+    """Parameters per part (a tied head counts under embedding only) and the total."""
+    counts = dict.fromkeys(_PARAM_PARTS.values(), 0)
+    for name, param in _meta_model(args).named_parameters():
+        counts[next(part for prefix, part in _PARAM_PARTS.items() if name.startswith(prefix + "."))] += param.numel()
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def format_summary(source: SourceModel, args: ModelArgs, source_name: str | None = None) -> str:
+    """What the conversion keeps, drops and costs, for the CLI."""
+    layers = args.source_layers
+    scaling = args.rope_scaling or {}
+    lines = [
+        f"source        {source_name or source.folder}",
+        f"architecture  {source.architecture}: {source.n_layers} layers, dim {args.dim}, "
+        f"{args.n_heads} heads / {args.n_kv_heads} kv, ffn {args.ffn_dim}, vocab {args.vocab_size}, "
+        f"{'tied' if source.tied else 'untied'} embeddings, rope theta {args.rope_theta:g}"
+        + (f" + {scaling.get('rope_type', scaling.get('type'))} scaling" if scaling else ""),
+    ]
+    for part in ("prelude", "core", "coda", "dropped"):
+        lines.append(f"{part:<13} {len(layers[part]):>2} layers  source {format_layers(layers[part])}")
+    if args.is_recurrent:
+        std = f"std {args.effective_state_std:.4g}" if args.state_init == "normal" else ""
+        lines.append(f"recurrence    adapter {args.adapter_init}, state init {args.state_init} {std}".rstrip())
+    else:
+        lines.append("recurrence    none (static model: the kept layers as one plain stack)")
+    counts = count_parameters(args)
+    for part, n in counts.items():
+        note = " (tied to embedding)" if part == "head" and args.tie_embeddings else ""
+        lines.append(f"params {part:<10} {n:>15,}{note}")
+    depth = f"effective depth  r=1: {args.effective_depth(1)} blocks"
+    if args.is_recurrent:
+        depth += f"; r={args.mean_recurrence} (mean recurrence): {args.effective_depth(args.mean_recurrence)} blocks"
+    lines.append(depth)
+    return "\n".join(lines)

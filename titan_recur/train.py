@@ -1,0 +1,445 @@
+"""Entry point: ``[torchrun ...] python -m titan_recur.train --config FILE [--section.key value ...]``.
+
+One process or any number under torchrun; nccl on GPU, gloo on CPU. Everything a run writes goes
+under ``job.dump_folder``: checkpoints/, tb/, metrics.jsonl, config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from titan_recur import flops
+from titan_recur.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    ModelState,
+    OptimizerState,
+    RankLocalState,
+    TorchRNGState,
+)
+from titan_recur.config import ConfigError, JobConfig, config_to_dict, parse_args
+from titan_recur.data import build_dataloader, check_data_config
+from titan_recur.metrics import MetricsLogger, max_memory_gib
+from titan_recur.models.args import PRESETS, ModelArgs
+from titan_recur.models.io import WEIGHTS_NAME, read_model_args, write_model_args
+from titan_recur.models.model import RecurrentLM
+from titan_recur.optim import build_optimizers, clip_grad_norm
+from titan_recur.parallelize import build_dp_mesh, mixed_precision_policy, parallelize_model
+from titan_recur.recurrence import Curriculum, RecurrenceSampler, RecurrenceSchedule
+from titan_recur.tokenizer import check_vocab, load_tokenizer
+
+# Exit code after a preemption signal was handled (checkpoint written): Slurm scripts requeue on it.
+EXIT_PREEMPTED = 42
+# Exit code when training stopped on a non-finite loss or grad norm.
+EXIT_NONFINITE = 3
+IGNORE_INDEX = -100
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_distributed(self) -> bool:
+        return dist.is_initialized()
+
+
+def init_distributed(device_choice: str) -> DistInfo:
+    """Join the process group when launched by torchrun; nccl on GPU, gloo on CPU."""
+    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def resolve_model_args(cfg: JobConfig) -> ModelArgs:
+    """The architecture from the converted folder, or from a preset shape (random init)."""
+    if cfg.model.preset:
+        return PRESETS[cfg.model.preset].model_args(*cfg.model.shape)
+    path = Path(cfg.model.path)
+    if not path.is_dir():
+        raise ConfigError(f"model.path {path}: no such folder (convert a model first: tools/convert_hf.py)")
+    return read_model_args(path)
+
+
+class PreemptionFlag:
+    """Set by SIGTERM/SIGUSR1; acted upon at the next step boundary, agreed across ranks."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def agreed(self, device: torch.device) -> bool:
+        if not dist.is_initialized():
+            return self.requested
+        flag = torch.tensor([int(self.requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class Trainer:
+    """Builds everything from the config (checking inputs first), then runs the loop."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg = cfg
+        self.dist = init_distributed(cfg.training.device)
+        self.dump = Path(cfg.job.dump_folder)
+        self.model_args = resolve_model_args(cfg)
+        self.tokenizer = self._load_tokenizer()
+        self.dp_world = self.dist.world_size
+        self.grad_accum = self._grad_accum_steps()
+        check_data_config(cfg.data, self.tokenizer, cfg.training.seq_len)
+        torch.manual_seed(cfg.job.seed + self.dist.rank)
+        if cfg.job.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.mesh = None
+        if self.dist.is_distributed:
+            self.mesh = build_dp_mesh(
+                self.dist.device.type, self.dist.world_size, cfg.parallel.dp_replicate, cfg.parallel.dp_shard
+            )
+        self.model = self._build_model()
+        self.optimizers = build_optimizers(self.model, cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.schedule = build_recurrence_schedule(cfg)
+        rows_per_step = cfg.training.local_batch_size * self.grad_accum
+        self.dataloader = build_dataloader(
+            cfg.data,
+            self.tokenizer,
+            seq_len=cfg.training.seq_len,
+            local_batch_size=cfg.training.local_batch_size,
+            rows_per_step=rows_per_step,
+            dp_rank=self.dist.rank,
+            dp_world=self.dp_world,
+            seed=cfg.job.seed,
+        )
+        self.step = 0
+        self.progress = TrainProgress()
+        self.checkpointer = self._build_checkpointer()
+        self.metrics = MetricsLogger(
+            self.dump,
+            enabled=self.dist.rank == 0,
+            tensorboard=cfg.metrics.enable_tensorboard,
+            jsonl=cfg.metrics.jsonl,
+        )
+        self.preemption = PreemptionFlag()
+        self.peak_flops = flops.peak_flops(override=cfg.metrics.peak_flops)
+
+    def _load_tokenizer(self):
+        folder = self.cfg.data.tokenizer or self.cfg.model.path
+        if folder is None:
+            raise ConfigError("set data.tokenizer (a folder with tokenizer files) when training from model.preset")
+        tokenizer = load_tokenizer(folder)
+        check_vocab(tokenizer, self.model_args.vocab_size)
+        return tokenizer
+
+    def _grad_accum_steps(self) -> int:
+        t = self.cfg.training
+        per_micro_step = t.local_batch_size * self.dp_world
+        global_batch = t.global_batch_size or per_micro_step
+        if global_batch % per_micro_step:
+            raise ConfigError(
+                f"training.global_batch_size ({global_batch}) must be a multiple of local_batch_size x "
+                f"data-parallel ranks ({t.local_batch_size} x {self.dp_world} = {per_micro_step})"
+            )
+        return global_batch // per_micro_step
+
+    def _build_model(self) -> RecurrentLM:
+        """Meta-device build, parallelize, materialise, then load the converted weights or init."""
+        t = self.cfg.training
+        with torch.device("meta"):
+            model = RecurrentLM(self.model_args)
+        mp_policy = mixed_precision_policy(self.dist.device.type, t.mixed_precision_param, t.mixed_precision_reduce)
+        parallelize_model(model, self.mesh, ac_mode=t.ac_mode, compile_blocks=t.compile, mp_policy=mp_policy)
+        model.to_empty(device=self.dist.device)
+        load_initial_weights(model, self.cfg, self.model_args, self.dist.device)
+        return model.train()
+
+    def _build_checkpointer(self) -> CheckpointManager:
+        states = {"model": ModelState(self.model), "train": self.progress, "schedulers": self.optimizers}
+        for i, optimizer in enumerate(self.optimizers.optimizers):
+            states[f"optimizer_{i}"] = OptimizerState(self.model, optimizer)
+        rank = self.dist.rank
+        states["dataloader"] = RankLocalState(f"rank_{rank}", self.dataloader)
+        states["rng"] = RankLocalState(f"rank_{rank}", TorchRNGState())
+        c = self.cfg.checkpoint
+        return CheckpointManager(
+            self.dump / c.folder, states, interval=c.interval, keep_latest_k=c.keep_latest_k
+        )
+
+    # ----------------------------------------------------------------------------------------- loop
+
+    def resume(self) -> None:
+        c = self.cfg.checkpoint
+        if not c.enable:
+            return
+        step = self.checkpointer.resolve_load_step(c.load_step)
+        if step is None:
+            if c.initial_load_path:
+                from titan_recur.checkpoint import load_from
+
+                load_from(Path(c.initial_load_path), {"model": ModelState(self.model)})
+                self._log(f"initialised model from {c.initial_load_path}")
+            return
+        self.checkpointer.load(step)
+        self.step = self.progress.step
+        self._log(f"resumed from {self.checkpointer.step_folder(step)} at step {self.step}")
+
+    def train(self) -> int:
+        self.resume()
+        self._write_run_config()
+        cfg = self.cfg
+        data_iter = iter(self.dataloader)
+        window_start, window_tokens, window_flops = time.perf_counter(), 0, 0.0
+        while self.step < cfg.training.steps:
+            self.step += 1
+            step_record = self.train_step(data_iter)
+            if step_record is None:
+                continue
+            window_tokens += step_record.pop("_tokens")
+            window_flops += step_record.pop("_flops")
+            if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+                elapsed = time.perf_counter() - window_start
+                self._log_step(step_record, window_tokens / elapsed, window_flops / elapsed)
+                window_start, window_tokens, window_flops = time.perf_counter(), 0, 0.0
+            preempted = self.preemption.agreed(self.dist.device)
+            if cfg.checkpoint.enable and (preempted or self.checkpointer.should_save(self.step, cfg.training.steps)):
+                self.checkpointer.save(self.step)
+            if preempted:
+                self._log(f"preemption signal: checkpoint written at step {self.step}; exiting {EXIT_PREEMPTED}")
+                return EXIT_PREEMPTED
+        if cfg.checkpoint.export_final:
+            export_model(self.model, self.model_args, self.dump / "final_model", self.cfg, self.tokenizer_folder())
+        self.metrics.close()
+        return 0
+
+    def train_step(self, data_iter) -> dict | None:
+        """One optimizer step over grad_accum micro-steps, each with its own sampled (n, k)."""
+        cfg = self.cfg
+        batches = [next(data_iter) for _ in range(self.grad_accum)]
+        global_tokens = self._global_valid_tokens(batches)
+        loss_sum = torch.zeros((), device=self.dist.device)
+        step_flops, depths = 0.0, []
+        for micro_step, batch in enumerate(batches):
+            n, k = self.schedule.sample(self.step, micro_step)
+            depths.append((n, k))
+            input_ids = batch["input_ids"].to(self.dist.device)
+            labels = batch["labels"].to(self.dist.device)
+            logits = self.model(input_ids, (n, k))
+            token_loss_sum = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+            # FSDP averages gradients over ranks, so scale the sum by the data-parallel size to get
+            # the exact mean over every valid token of the global batch.
+            (token_loss_sum * self.dp_world / global_tokens).backward()
+            loss_sum += token_loss_sum.detach()
+            per_token = flops.training_flops_per_token(self.model_args, (n, k), input_ids.shape[1])
+            step_flops += per_token.total * input_ids.numel()
+        grad_norm = clip_grad_norm(self.model.parameters(), cfg.training.max_norm)
+        loss = self._global_mean(loss_sum, global_tokens)
+        if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):
+            self.optimizers.zero_grad()
+            self._handle_nonfinite(loss, float(grad_norm))
+            return None
+        lrs = self.optimizers.current_lrs()
+        self.optimizers.step()
+        self.optimizers.step_schedulers()
+        self.optimizers.zero_grad()
+        tokens = sum(int(b["input_ids"].numel()) for b in batches)
+        self.progress.step = self.step
+        self.progress.tokens_seen += tokens * self.dp_world
+        n, k = depths[-1]
+        return {
+            "step": self.step,
+            "loss": loss,
+            "grad_norm": float(grad_norm),
+            "lr": next(iter(lrs.values())),
+            **{f"lr_{name}": lr for name, lr in lrs.items()},
+            "mean_recurrence": self.schedule.mean(self.step),
+            "backprop_depth": self.schedule.backprop_depth(self.step),
+            "n": n,
+            "k": k,
+            "tokens_seen": self.progress.tokens_seen,
+            "_tokens": tokens,
+            "_flops": step_flops,
+        }
+
+    def _handle_nonfinite(self, loss: float, grad_norm: float) -> None:
+        message = f"non-finite loss {loss} or grad norm {grad_norm} at step {self.step}"
+        self.progress.skipped_steps += 1
+        if not self.cfg.training.skip_nonfinite:
+            raise NonFiniteError(f"{message}; stopping (no checkpoint of this state is written)")
+        if self.progress.skipped_steps > self.cfg.training.max_skipped_steps:
+            raise NonFiniteError(
+                f"{message}; {self.progress.skipped_steps} steps skipped > training.max_skipped_steps"
+            )
+        self._log(f"{message}; step skipped ({self.progress.skipped_steps} so far)")
+        self.progress.step = self.step
+
+    def _global_valid_tokens(self, batches: list[dict]) -> int:
+        count = torch.tensor(
+            [sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)], device=self.dist.device
+        )
+        if dist.is_initialized():
+            dist.all_reduce(count)
+        return int(count.item())
+
+    def _global_mean(self, loss_sum: torch.Tensor, global_tokens: int) -> float:
+        if dist.is_initialized():
+            loss_sum = loss_sum.clone()
+            dist.all_reduce(loss_sum)
+        return float(loss_sum) / global_tokens
+
+    def _log_step(self, record: dict, tokens_per_sec: float, flops_per_sec: float) -> None:
+        record["tokens_per_sec"] = tokens_per_sec
+        record["flops_per_sec"] = flops_per_sec
+        record["mfu"] = flops.mfu(flops_per_sec, self.peak_flops)
+        record["max_memory_gib"] = max_memory_gib(self.dist.device)
+        mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
+        console = (
+            f"step {record['step']:>6}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
+            f"lr {record['lr']:.2e}  r {record['mean_recurrence']} (n={record['n']} k={record['k']})  "
+            f"tok/s {tokens_per_sec:,.0f}  mfu {mfu}  mem {record['max_memory_gib']:.2f}GiB"
+        )
+        self.metrics.log(record, console)
+
+    def _log(self, message: str) -> None:
+        if self.dist.rank == 0:
+            print(f"[titan_recur] {message}", flush=True)
+
+    def _write_run_config(self) -> None:
+        if self.dist.rank == 0:
+            self.dump.mkdir(parents=True, exist_ok=True)
+            (self.dump / "config.json").write_text(json.dumps(config_to_dict(self.cfg), indent=2) + "\n")
+
+    def tokenizer_folder(self) -> str | None:
+        return self.cfg.data.tokenizer or self.cfg.model.path
+
+    def close(self) -> None:
+        self.metrics.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TrainProgress:
+    """Step counters saved in every checkpoint."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.tokens_seen = 0
+        self.skipped_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+
+def build_recurrence_schedule(cfg: JobConfig) -> RecurrenceSchedule:
+    r, steps = cfg.recurrence, cfg.training.steps
+    mean = Curriculum(r.curriculum, r.mean_recurrence, steps, r.warmup_fraction, start=r.start)
+    depth: int | Curriculum = r.backprop_depth
+    if r.backprop_curriculum:
+        depth = Curriculum("linear", r.backprop_depth, steps, r.backprop_warmup_fraction, start=r.backprop_start)
+    sampler = RecurrenceSampler(sigma=r.sigma, seed=r.seed, mean_offset=r.mean_offset)
+    return RecurrenceSchedule(mean, depth, sampler)
+
+
+def load_initial_weights(model: RecurrentLM, cfg: JobConfig, args: ModelArgs, device: torch.device) -> None:
+    """Rank 0 reads (or randomly initialises) the full weights and broadcasts them into the shards.
+
+    Building the full state on one rank makes the start identical for every world size.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.reset_rope_buffer()
+    is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    full_state: dict[str, torch.Tensor] = {}
+    if is_rank0:
+        full_state = initial_full_state(cfg, args)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=True)
+    set_model_state_dict(model, full_state, options=options)
+
+
+def initial_full_state(cfg: JobConfig, args: ModelArgs) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from titan_recur.models.io import load_state_dict_into
+
+    source = RecurrentLM(args)
+    if cfg.model.init == "random" or cfg.model.preset:
+        torch.manual_seed(cfg.job.seed)
+        source.init_weights()
+    else:
+        weights = Path(cfg.model.path) / WEIGHTS_NAME
+        if not weights.is_file():
+            raise ConfigError(f"{weights}: no such file")
+        load_state_dict_into(source, load_file(str(weights)), str(weights))
+    return source.state_dict()
+
+
+def export_model(model: RecurrentLM, args: ModelArgs, folder: Path, cfg: JobConfig, tokenizer_folder: str | None) -> None:
+    """Model-only export of the trained weights as a converted-model folder (load_model reads it)."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from titan_recur.models.io import copy_tokenizer_files
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    write_model_args(args, folder)
+    if args.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    if tokenizer_folder:
+        copy_tokenizer_files(Path(tokenizer_folder), folder)
+    print(f"[titan_recur] exported final model to {folder}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_args(argv)
+        trainer = Trainer(cfg)
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        return trainer.train()
+    except (NonFiniteError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_NONFINITE if isinstance(err, NonFiniteError) else 2
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

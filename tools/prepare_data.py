@@ -1,0 +1,157 @@
+"""Tokenize and pack a dataset into pre-tokenized parquet shards for the fast "tokenized" data path.
+
+Documents are read in order with the trainer's own reader, tokenized by a pool of processes and
+packed exactly as the trainer packs text ([BOS] doc EOS, concatenated, cut into rows of
+seq_len + 1 tokens; a row may span documents). The final partial row is dropped. Each shard is a
+parquet file with one list<int32> column ``input_ids``; train on it with
+
+    [[data.sources]]
+    path = "OUT/*.parquet"
+    kind = "tokenized"
+
+Examples:
+
+    python tools/prepare_data.py --tokenizer models/tinyllama --path "corpus/*.jsonl" --kind jsonl \\
+        --seq-len 1024 --out data/corpus_1024
+    python tools/prepare_data.py --tokenizer models/llama3_2_1b --path HuggingFaceFW/fineweb-edu \\
+        --kind hf --hf-config sample-10BT --seq-len 1024 --out data/fwe_1024 --max-docs 1000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Iterator
+from multiprocessing import Pool
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from titan_recur.config import DataSource
+from titan_recur.data import TOKENS_COLUMN, encode_document, is_empty, open_source
+from titan_recur.tokenizer import Tokenizer, load_tokenizer
+
+_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(folder: str) -> None:
+    global _tokenizer
+    _tokenizer = load_tokenizer(folder)
+
+
+def _encode_chunk(docs: list[str | None]) -> np.ndarray:
+    """The packed token stream of a chunk of documents (int32: cheap to send back)."""
+    ids = [t for d in docs if not is_empty(d) for t in encode_document(_tokenizer, d)]
+    return np.asarray(ids, dtype=np.int32)
+
+
+def _chunks(source: DataSource, docs_per_task: int, max_docs: int | None) -> Iterator[list]:
+    column = source.text_field
+    seen = 0
+    for batch in open_source(source).iter(batch_size=docs_per_task):
+        docs = batch[column][: None if max_docs is None else max_docs - seen]
+        seen += len(docs)
+        yield docs
+        if max_docs is not None and seen >= max_docs:
+            return
+
+
+def _write_shard(rows: np.ndarray, path: Path) -> None:
+    n, row_len = rows.shape
+    offsets = pa.array(np.arange(0, n * row_len + 1, row_len, dtype=np.int32))
+    column = pa.ListArray.from_arrays(offsets, pa.array(rows.reshape(-1)))
+    pq.write_table(pa.table({TOKENS_COLUMN: column}), path)
+
+
+class _Progress:
+    """tqdm when installed, else a line every 10 s."""
+
+    def __init__(self) -> None:
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(unit="tok", unit_scale=True, desc="tokens", file=sys.stderr)
+        except ImportError:
+            self.bar = None
+        self.total, self.start, self.last = 0, time.perf_counter(), 0.0
+
+    def update(self, n: int) -> None:
+        self.total += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif time.perf_counter() - self.last > 10:
+            self.last = time.perf_counter()
+            print(f"{self.total:,} tokens, {self.total / (self.last - self.start):,.0f} tokens/s", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def prepare(args: argparse.Namespace) -> None:
+    kind = args.kind
+    source = DataSource(
+        name=args.path, path=args.path, kind=kind, text_field=args.text_field,
+        hf_config=args.hf_config, split=args.split, sample_by=args.sample_by,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.glob("*.parquet")):
+        raise SystemExit(f"{out} already holds parquet files; use an empty folder")
+    row_len = args.seq_len + 1
+    shard_tokens = args.rows_per_shard * row_len
+    pending: list[np.ndarray] = []
+    n_pending = shards = rows = 0
+    progress = _Progress()
+    start = time.perf_counter()
+    with Pool(args.workers, initializer=_init_worker, initargs=(args.tokenizer,)) as pool:
+        for ids in pool.imap(_encode_chunk, _chunks(source, args.docs_per_task, args.max_docs)):
+            progress.update(len(ids))
+            pending.append(ids)
+            n_pending += len(ids)
+            while n_pending >= shard_tokens:
+                flat = np.concatenate(pending)
+                _write_shard(flat[:shard_tokens].reshape(-1, row_len), out / f"part-{shards:05d}.parquet")
+                pending, n_pending = [flat[shard_tokens:]], len(flat) - shard_tokens
+                shards, rows = shards + 1, rows + args.rows_per_shard
+    progress.close()
+    flat = np.concatenate(pending) if pending else np.zeros(0, np.int32)
+    last_rows = len(flat) // row_len
+    if last_rows:
+        _write_shard(flat[: last_rows * row_len].reshape(-1, row_len), out / f"part-{shards:05d}.parquet")
+        shards, rows = shards + 1, rows + last_rows
+    seconds = time.perf_counter() - start
+    print(
+        f"{progress.total:,} tokens -> {rows:,} rows of {row_len} in {shards} shards under {out} "
+        f"({len(flat) - last_rows * row_len} trailing tokens dropped); {seconds:.1f} s, "
+        f"{progress.total / max(seconds, 1e-9):,.0f} tokens/s with {args.workers} workers"
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer", required=True, help="Folder with tokenizer.json or tokenizer.model.")
+    parser.add_argument("--path", required=True, help="Local file or glob, or a hub dataset id (--kind hf).")
+    parser.add_argument("--kind", choices=["text", "jsonl", "parquet", "hf"], default="jsonl", help="Source format.")
+    parser.add_argument("--text-field", default="text", help="Column or key holding the text.")
+    parser.add_argument("--hf-config", default=None, help="Hub dataset config name (--kind hf).")
+    parser.add_argument("--split", default="train", help="Hub dataset split (--kind hf).")
+    parser.add_argument(
+        "--sample-by", choices=["paragraph", "document", "line"], default="paragraph",
+        help="--kind text: one document per blank-line-separated paragraph, per file, or per line.",
+    )
+    parser.add_argument("--seq-len", type=int, required=True, help="Training seq_len; rows hold seq_len + 1 tokens.")
+    parser.add_argument("--out", required=True, help="Empty output folder for part-NNNNN.parquet shards.")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="Tokenizer processes (default: all cores).")
+    parser.add_argument("--rows-per-shard", type=int, default=100_000, help="Rows per parquet shard.")
+    parser.add_argument("--docs-per-task", type=int, default=512, help="Documents per task sent to a worker.")
+    parser.add_argument("--max-docs", type=int, default=None, help="Stop after this many documents.")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    prepare(parse_args())
