@@ -1,0 +1,147 @@
+"""Benchmark: peak memory and step time of a training step as the recurrence grows.
+
+Memory: with per-iteration activation checkpointing, no-grad iterations store nothing, so peak
+memory must stay flat in n (the issue's bound: peak(n=32) / peak(n=0) <= 1.10 at k=4).
+Time: step time vs r, printed next to the analytic FLOP ratio of titan_recur.flops.
+
+Each (n, k) point runs in a fresh subprocess so that peak memory is that point's own
+(CUDA: max_memory_allocated; CPU: peak RSS minus the RSS before the first step).
+
+    python tools/bench_recurrence.py                      # CPU, default tiny-ish shape
+    python tools/bench_recurrence.py --device cuda --dim 2048 --seq-len 1024 --batch 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--ffn", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--shape", default="1,2,1", help="P,R,C")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--ac-mode", default="per_iteration", choices=["none", "full", "per_iteration"])
+    parser.add_argument("--memory-points", default="0,8,32", help="n values measured at k=--k")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--time-points", default="1,2,4,8,16", help="r values timed as (r-1, 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per point (after a warm-up)")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--point", help=argparse.SUPPRESS)  # internal: run one "n,k" point and print JSON
+    return parser.parse_args(argv)
+
+
+def build_model(args: argparse.Namespace):
+    import torch
+
+    from titan_recur import ModelArgs, RecurrentLM
+    from titan_recur.parallelize import parallelize_model
+
+    prelude, core, coda = (int(v) for v in args.shape.split(","))
+    model_args = ModelArgs(
+        vocab_size=args.vocab, dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads,
+        head_dim=args.dim // args.heads, ffn_dim=args.ffn, n_prelude=prelude, n_core=core, n_coda=coda,
+        adapter_init="random", state_init="zero",
+    )
+    torch.manual_seed(0)
+    model = RecurrentLM(model_args)
+    model.init_weights()
+    model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
+    parallelize_model(model, None, ac_mode=args.ac_mode, compile_blocks=args.compile, mp_policy=None)
+    return model, model_args
+
+
+def run_point(args: argparse.Namespace) -> dict:
+    """Train steps at one (n, k) in this process; report peak memory and mean step time."""
+    import torch
+
+    n, k = (int(v) for v in args.point.split(","))
+    model, _ = build_model(args)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), device=args.device)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    def step() -> None:
+        logits = model(inputs, (n, k))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    base = current_bytes(args.device)
+    step()  # warm-up (and compile)
+    start = time.perf_counter()
+    for _ in range(args.repeats):
+        step()
+    seconds = (time.perf_counter() - start) / args.repeats
+    peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else peak_rss_bytes()
+    return {"n": n, "k": k, "step_bytes": peak - base, "step_seconds": seconds}
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_bytes(device: str) -> int:
+    """Memory held before the first step (model, optimizer, inputs): the step's own use is measured above it."""
+    import torch
+
+    return torch.cuda.memory_allocated() if device == "cuda" else peak_rss_bytes()
+
+
+def measure(args: argparse.Namespace, n: int, k: int) -> dict:
+    argv = [sys.executable, __file__, *sys.argv[1:], "--point", f"{n},{k}"]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.point:
+        print(json.dumps(run_point(args)))
+        return
+    from titan_recur import flops
+
+    _, model_args = build_model(argparse.Namespace(**{**vars(args), "device": "cpu", "compile": False}))
+    print(f"# shape {args.shape} d={args.dim} batch {args.batch} x seq {args.seq_len}, device {args.device}, "
+          f"ac {args.ac_mode}, dtype {args.dtype}, compile {args.compile}")
+    print("\n## Peak memory vs no-grad iterations n (k = %d)" % args.k)
+    print("| n | k | step peak above model+optimizer (MiB) | ratio to n=0 |")
+    print("|---|---|---|---|")
+    memory_points = [int(v) for v in args.memory_points.split(",")]
+    first = None
+    for n in memory_points:
+        point = measure(args, n, args.k)
+        first = first or point["step_bytes"]
+        print(f"| {n} | {args.k} | {point['step_bytes'] / 2**20:.1f} | {point['step_bytes'] / first:.3f} |")
+    print("\n## Step time vs r, as (n, k) = (r - 1, 1)")
+    print("| r | step (s) | time / time(r=1) | FLOPs / FLOPs(r=1) |")
+    print("|---|---|---|---|")
+    base_time = base_flops = None
+    for r in [int(v) for v in args.time_points.split(",")]:
+        point = measure(args, r - 1, 1)
+        per_token = flops.training_flops_per_token(model_args, (r - 1, 1), args.seq_len).total
+        base_time, base_flops = base_time or point["step_seconds"], base_flops or per_token
+        print(f"| {r} | {point['step_seconds']:.3f} | {point['step_seconds'] / base_time:.2f} | "
+              f"{per_token / base_flops:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
