@@ -312,11 +312,11 @@ def test_committed_tiny_llama_asset(tmp_path):
 
 
 def test_committed_recurrent_asset_is_the_converted_tiny_llama():
-    """assets/tiny_llama_recurrent (the CPU demo's model) is tiny_llama at shape 2,4,2 with the identity adapter."""
+    """assets/tiny_llama_recurrent (the CPU demo's model) is tiny_llama at shape 1,2,1 with the identity adapter."""
     args = read_model_args(ASSETS / "tiny_llama_recurrent")
-    assert args.source_layers == {"prelude": [0, 1], "core": [2, 3, 4, 5], "coda": [6, 7], "dropped": []}
+    assert args.source_layers == {"prelude": [0], "core": [5, 6], "coda": [7], "dropped": [1, 2, 3, 4]}
     ids = input_ids(64)
-    expected = hf_logits(ASSETS / "tiny_llama", ids)
+    expected = hf_logits(ASSETS / "tiny_llama", ids, layers=[0, 5, 6, 7])
     torch.testing.assert_close(converted_logits(ASSETS / "tiny_llama_recurrent", ids), expected, atol=1e-5, rtol=0)
 
 

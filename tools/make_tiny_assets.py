@@ -10,7 +10,7 @@ Writes under OUT:
   tiny_llama/           LlamaForCausalLM (d 64, 8 layers, 4 heads / 2 kv heads, ffn 128, untied),
                         briefly pretrained on the corpus so a retrofit starts from a model that knows something
   tiny_olmo2/           Olmo2ForCausalLM (d 64, 6 layers, 4 heads MHA, ffn 128), pretrained the same way
-  tiny_llama_recurrent/ tiny_llama converted with shape 2,4,2 (identity adapter): the CPU demo's model
+  tiny_llama_recurrent/ tiny_llama converted with shape 1,2,1 (identity adapter; layers 1-4 dropped): the CPU demo's model
 
 Nothing is downloaded. The general corpus depends on the Python version's docs, so rebuild assets
 with the same Python to reproduce them byte for byte.
@@ -396,7 +396,7 @@ def main() -> None:
         model.save_pretrained(args.out / folder)
         save_tokenizer(tokenizer, args.out / folder)
     # The CPU demo's starting point (train_configs/debug_model.toml): tiny_llama retrofitted to (2, 4, 2).
-    convert(args.out / "tiny_llama", args.out / "tiny_llama_recurrent", plan_layers(8, (2, 4, 2)), force=True)
+    convert(args.out / "tiny_llama", args.out / "tiny_llama_recurrent", plan_layers(8, (1, 2, 1)), force=True)
 
 
 if __name__ == "__main__":
