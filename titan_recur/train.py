@@ -319,12 +319,12 @@ class Trainer:
         record["tokens_per_sec"] = tokens_per_sec
         record["flops_per_sec"] = flops_per_sec
         record["mfu"] = flops.mfu(flops_per_sec, self.peak_flops)
-        record["max_memory_gib"] = max_memory_gib(self.dist.device)
+        record["max_memory"] = max_memory_gib(self.dist.device)
         mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
         console = (
             f"step {record['step']:>6}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
             f"lr {record['lr']:.2e}  r {record['mean_recurrence']} (n={record['n']} k={record['k']})  "
-            f"tok/s {tokens_per_sec:,.0f}  mfu {mfu}  mem {record['max_memory_gib']:.2f}GiB"
+            f"tok/s {tokens_per_sec:,.0f}  mfu {mfu}  mem {record['max_memory']:.2f}GiB"
         )
         self.metrics.log(record, console)
 
