@@ -6,7 +6,8 @@ owner rank, which orthogonalises it whole and sends every rank back its rows. Al
 step travel in one all-to-all there and one back, so a step costs 2 collectives per shard group
 (2 / n_matrices per matrix), each rank sends and receives ~1/W of the Muon parameters (bf16), and
 each rank runs Newton-Schulz on ~1/W of the matrices. Owners hold exactly the bf16 input a single
-process would orthogonalise, so the update is bit-identical to single-process Muon.
+process would orthogonalise, so the update is bit-identical to single-process Muon. (torch.optim.Muon
+on the same DTensors is also correct but issued ~15 hidden collectives per matrix per step here.)
 """
 
 from __future__ import annotations

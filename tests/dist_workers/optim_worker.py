@@ -24,6 +24,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from titan_recur.models import ModelArgs, RecurrentLM, cross_entropy_loss
 from titan_recur.optim import Muon, build_optimizers, clip_grad_norm
+from worker_util import finish
 
 # (n_no_grad, k_grad) per step; the same on every rank.
 NUM_STEPS = [(0, 1), (1, 2), (2, 1)]
@@ -58,10 +59,12 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+@torch.no_grad()
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], names: list[str]) -> float:
     return max((full(a[n]) - b[n]).abs().max().item() for n in names)
 
 
+@torch.no_grad()
 def frobenius(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], names: list[str]) -> float:
     return math.sqrt(sum((a[n] - b[n]).double().pow(2).sum().item() for n in names))
 
@@ -189,7 +192,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(reports, f, indent=1)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":
