@@ -5,7 +5,8 @@ memory must stay flat in n (the issue's bound: peak(n=32) / peak(n=0) <= 1.10 at
 Time: step time vs r, printed next to the analytic FLOP ratio of titan_recur.flops.
 
 Each (n, k) point runs in a fresh subprocess so that peak memory is that point's own
-(CUDA: max_memory_allocated; CPU: peak RSS minus the RSS before the first step).
+(CUDA: max_memory_allocated; CPU: peak RSS minus the RSS before the first step, with glibc's
+mmap threshold fixed at 64 KiB so freed tensors leave the RSS).
 
     python tools/bench_recurrence.py                      # CPU, default tiny-ish shape
     python tools/bench_recurrence.py --device cuda --dim 2048 --seq-len 1024 --batch 4
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -103,12 +105,18 @@ def current_bytes(device: str) -> int:
     """Memory held before the first step (model, optimizer, inputs): the step's own use is measured above it."""
     import torch
 
-    return torch.cuda.memory_allocated() if device == "cuda" else peak_rss_bytes()
+    if device == "cuda":
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
 
 
 def measure(args: argparse.Namespace, n: int, k: int) -> dict:
     argv = [sys.executable, __file__, *sys.argv[1:], "--point", f"{n},{k}"]
-    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    # Tensors above 64 KiB get their own mapping, returned to the OS when freed, so peak RSS tracks
+    # peak live memory instead of glibc's heap high-water mark.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
