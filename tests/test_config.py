@@ -127,13 +127,14 @@ def test_optional_and_literal_from_toml(tmp_path):
         """
         [model]
         path = "m"
+        [training]
+        global_batch_size = 32
         [recurrence]
-        eval_recurrence = 16
         curriculum = "none"
         """,
     )
     cfg = load_config(path)
-    assert cfg.recurrence.eval_recurrence == 16 and cfg.recurrence.curriculum == "none"
+    assert cfg.training.global_batch_size == 32 and cfg.recurrence.curriculum == "none"
 
 
 @pytest.mark.parametrize(
@@ -305,8 +306,8 @@ def test_config_to_dict_round_trips_through_json(tmp_path):
         """
         [model]
         path = "m"
-        [recurrence]
-        eval_recurrence = 4
+        [training]
+        global_batch_size = 32
         [[data.phases]]
         [[data.phases.sources]]
         path = "a.txt"
@@ -316,7 +317,7 @@ def test_config_to_dict_round_trips_through_json(tmp_path):
     cfg = load_config(path, ["--optimizer.adamw_betas", "0.8,0.9"])
     values = config_to_dict(cfg)
     assert values["optimizer"]["adamw_betas"] == [0.8, 0.9]  # plain JSON types
-    assert values["training"]["global_batch_size"] is None
+    assert values["training"]["global_batch_size"] == 32 and values["model"]["preset"] is None
     saved = tmp_path / "config.json"
     saved.write_text(json.dumps(values))
     assert config_from_dict(json.loads(saved.read_text())) == cfg

@@ -26,10 +26,12 @@ def test_debug_run_on_two_ranks_logs_and_heals(tmp_path):
     dump = tmp_path / "debug"
     run_torchrun(
         ["-m", "titan_recur.train", "--config", DEBUG_CONFIG, "--job.dump_folder", str(dump),
-         "--metrics.log_freq", "4", "--checkpoint.interval", "20"],
+         "--metrics.log_freq", "4", "--checkpoint.interval", "20", "--validation.enable", "true",
+         "--validation.interval", "20", "--data.validation_fraction", "0.05"],
         nproc=2,
     )
-    records = [r for r in read_metrics(dump) if "loss" in r]
+    lines = read_metrics(dump)
+    records = [r for r in lines if "loss" in r]
     assert [r["step"] for r in records] == list(range(4, 41, 4))
     for record in records:
         assert METRIC_KEYS <= record.keys()
@@ -41,6 +43,11 @@ def test_debug_run_on_two_ranks_logs_and_heals(tmp_path):
     assert all(math.isfinite(v) for v in first + last)
     # The surgery dropped 4 of 8 layers: training heals it well beyond batch-to-batch noise (~0.3).
     assert sum(last) / len(last) < sum(first) / len(first) - 0.3
+    validations = [r for r in lines if "validation.loss_r1" in r]
+    assert [r["step"] for r in validations] == [20, 40]
+    for record in validations:
+        assert {f"validation.loss_r{r}" for r in (1, 2, 4, 8)} <= record.keys()
+        assert all(math.isfinite(v) for k, v in record.items() if k.startswith("validation."))
     assert list((dump / "tb").glob("events.out.tfevents.*"))
     assert (dump / "final_model" / "model.safetensors").is_file()
     assert (dump / "config.json").is_file()

@@ -119,7 +119,6 @@ class Recurrence:
     backprop_curriculum: bool = opt(False, "Ramp backprop_depth up from backprop_start too.")
     backprop_start: int = opt(1, "Backprop depth at step 0 when backprop_curriculum is on.")
     backprop_warmup_fraction: float = opt(0.25, "Fraction of steps over which the backprop depth ramps up.")
-    eval_recurrence: int | None = opt(None, "Iterations used for evaluation; none = mean_recurrence.")
 
 
 @dataclass
@@ -593,11 +592,12 @@ def validate(cfg: JobConfig) -> None:
         r.backprop_start <= r.backprop_depth,
         f"recurrence.backprop_start ({r.backprop_start}) must be <= backprop_depth ({r.backprop_depth})",
     )
-    _require(
-        r.eval_recurrence is None or r.eval_recurrence >= 1,
-        f"recurrence.eval_recurrence must be >= 1, got {r.eval_recurrence}",
-    )
     _require(0 <= o.momentum < 1, f"optimizer.momentum must be in [0, 1), got {o.momentum}")
+    _require(
+        not cfg.validation.enable or cfg.data.validation_fraction > 0,
+        "validation.enable needs data.validation_fraction > 0 (held-out documents to validate on)",
+    )
+    _require(all(r >= 1 for r in cfg.validation.recurrences), "validation.recurrences must all be >= 1")
     betas = o.adamw_betas
     _require(all(0 <= b < 1 for b in betas), f"optimizer.adamw_betas must be in [0, 1), got {betas}")
     _require(

@@ -6,6 +6,7 @@ under ``job.dump_folder``: checkpoints/, tb/, metrics.jsonl, config.json.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -26,9 +27,11 @@ from titan_recur.checkpoint import (
     OptimizerState,
     RankLocalState,
     TorchRNGState,
+    load_from,
 )
 from titan_recur.config import ConfigError, JobConfig, config_to_dict, parse_args
 from titan_recur.data import build_dataloader, check_data_config
+from titan_recur.eval.loss import mean_losses, validation_loss_sums
 from titan_recur.metrics import MetricsLogger, max_memory_gib
 from titan_recur.models.args import PRESETS, ModelArgs
 from titan_recur.models.io import WEIGHTS_NAME, read_model_args, write_model_args
@@ -38,10 +41,15 @@ from titan_recur.parallelize import build_dp_mesh, mixed_precision_policy, paral
 from titan_recur.recurrence import Curriculum, RecurrenceSampler, RecurrenceSchedule
 from titan_recur.tokenizer import check_vocab, load_tokenizer
 
-# Exit code after a preemption signal was handled (checkpoint written): Slurm scripts requeue on it.
+# Exit codes (docs/checkpointing.md). After SIGTERM/SIGUSR1 with the checkpoint written: Slurm scripts
+# requeue on it.
 EXIT_PREEMPTED = 42
-# Exit code when training stopped on a non-finite loss or grad norm.
+# Training stopped on a non-finite loss or grad norm (the last checkpoint is the last good state).
 EXIT_NONFINITE = 3
+# Bad input: config, data, or a checkpoint that cannot be used. Nothing was written to the checkpoints.
+EXIT_BAD_INPUT = 2
+# Test hook: the loss of this step becomes NaN (exercises the non-finite guard end to end).
+TEST_NAN_STEP_ENV = "TITAN_RECUR_TEST_NAN_STEP"
 IGNORE_INDEX = -100
 
 
@@ -141,6 +149,7 @@ class Trainer:
         self.step = 0
         self.progress = TrainProgress()
         self.checkpointer = self._build_checkpointer()
+        self.test_nan_step = int(os.environ.get(TEST_NAN_STEP_ENV, 0))
         self.metrics = MetricsLogger(
             self.dump,
             enabled=self.dist.rank == 0,
@@ -189,37 +198,60 @@ class Trainer:
         states["rng"] = RankLocalState(f"rank_{rank}", TorchRNGState())
         c = self.cfg.checkpoint
         return CheckpointManager(
-            self.dump / c.folder, states, interval=c.interval, keep_latest_k=c.keep_latest_k
+            self.dump / c.folder, states, interval=c.interval, keep_latest_k=c.keep_latest_k, async_mode=c.async_mode
         )
 
     # ----------------------------------------------------------------------------------------- loop
 
     def resume(self) -> None:
+        """Continue from this run's latest complete checkpoint (or checkpoint.load_step); else initial_load_path."""
         c = self.cfg.checkpoint
-        if not c.enable:
-            return
-        step = self.checkpointer.resolve_load_step(c.load_step)
+        step = self.checkpointer.resolve_load_step(c.load_step) if c.enable else None
         if step is None:
             if c.initial_load_path:
-                from titan_recur.checkpoint import load_from
-
                 load_from(Path(c.initial_load_path), {"model": ModelState(self.model)})
-                self._log(f"initialised model from {c.initial_load_path}")
+                self._log(f"initialised the model from {c.initial_load_path} (model only)")
             return
-        self.checkpointer.load(step)
+        saved_world = self.checkpointer.saved_world_size(step)
+        if saved_world == self.dist.world_size:
+            self.checkpointer.load(step)
+        else:
+            self._resume_resharded(step, saved_world)
         self.step = self.progress.step
         self._log(f"resumed from {self.checkpointer.step_folder(step)} at step {self.step}")
+
+    def _resume_resharded(self, step: int, saved_world: int) -> None:
+        """Another world size: model, optimizers, schedules and progress reshard; the data position cannot.
+
+        With data.reshard = "restart" every rank hands the old data state of rank ``rank % saved_world``
+        to its loader, which sees the new geometry and restarts its streams at a new epoch from ``step``
+        (data.py); the RNG keeps this run's per-rank seed.
+        """
+        folder = self.checkpointer.step_folder(step)
+        if self.cfg.data.reshard != "restart":
+            raise CheckpointError(
+                f"{folder} was written by {saved_world} ranks, this run has {self.dist.world_size}: model and "
+                f"optimizer reshard but the data position cannot; set data.reshard = 'restart' "
+                f"(--data.reshard restart) to restart the data streams at a new epoch from step {step}"
+            )
+        self.checkpointer.load(step, names=[n for n in self.checkpointer.states if n not in ("dataloader", "rng")])
+        source = RankLocalState(f"rank_{self.dist.rank % saved_world}", self.dataloader)
+        load_from(folder, {"dataloader": source})
+        self._log(f"resharded {folder} from {saved_world} to {self.dist.world_size} ranks; data streams restarted")
 
     def train(self) -> int:
         self.resume()
         self._write_run_config()
         cfg = self.cfg
-        data_iter = iter(self.dataloader)
+        with torch.random.fork_rng(devices=[]):  # iter() draws a seed: keep the restored RNG for bit-exact resume
+            data_iter = iter(self.dataloader)
         window_start, window_tokens, window_flops = time.perf_counter(), 0, 0.0
         while self.step < cfg.training.steps:
             self.step += 1
             step_record = self.train_step(data_iter)
-            if step_record is None:
+            if step_record is None:  # a skipped non-finite step: nothing to log, but checkpoint/preemption apply
+                if self._step_boundary():
+                    return EXIT_PREEMPTED
                 continue
             window_tokens += step_record.pop("_tokens")
             window_flops += step_record.pop("_flops")
@@ -227,16 +259,50 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start
                 self._log_step(step_record, window_tokens / elapsed, window_flops / elapsed)
                 window_start, window_tokens, window_flops = time.perf_counter(), 0, 0.0
-            preempted = self.preemption.agreed(self.dist.device)
-            if cfg.checkpoint.enable and (preempted or self.checkpointer.should_save(self.step, cfg.training.steps)):
-                self.checkpointer.save(self.step)
-            if preempted:
-                self._log(f"preemption signal: checkpoint written at step {self.step}; exiting {EXIT_PREEMPTED}")
+            self._maybe_validate()
+            if self._step_boundary():
                 return EXIT_PREEMPTED
+        self.checkpointer.wait()
         if cfg.checkpoint.export_final:
             export_model(self.model, self.model_args, self.dump / "final_model", self.cfg, self.tokenizer_folder())
         self.metrics.close()
         return 0
+
+    def _maybe_validate(self) -> None:
+        """Held-out loss at each configured r, on a fresh validation loader, summed over ranks."""
+        v = self.cfg.validation
+        if not v.enable or (self.step % v.interval and self.step != self.cfg.training.steps):
+            return
+        t = self.cfg.training
+        with torch.random.fork_rng(devices=[]):  # the loader's seed draw must not shift the training RNG
+            loader = build_dataloader(
+                self.cfg.data, self.tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+                rows_per_step=t.local_batch_size, dp_rank=self.dist.rank, dp_world=self.dp_world,
+                seed=self.cfg.job.seed, split="validation",
+            )
+            batches = itertools.islice(iter(loader), v.steps)
+            sums = validation_loss_sums(self.model, batches, v.recurrences, self.dist.device)
+        totals = torch.tensor([[total, count] for total, count in sums.values()], dtype=torch.float64)
+        if dist.is_initialized():
+            totals = totals.to(self.dist.device)
+            dist.all_reduce(totals)
+        losses = mean_losses({r: (float(row[0]), int(row[1])) for r, row in zip(sums, totals.tolist())})
+        record = {"step": self.step, **{f"validation.loss_r{r}": loss for r, loss in losses.items()}}
+        console = f"validation step {self.step:>6}  " + "  ".join(f"r={r}: {loss:.4f}" for r, loss in losses.items())
+        self.metrics.log(record, console)
+
+    def _step_boundary(self) -> bool:
+        """Checkpoint when due or when a preemption signal arrived on any rank; True: exit with EXIT_PREEMPTED."""
+        c, steps = self.cfg.checkpoint, self.cfg.training.steps
+        preempted = self.preemption.agreed(self.dist.device)
+        if c.enable and (preempted or self.checkpointer.should_save(self.step, steps)):
+            self.checkpointer.save(self.step)
+        if not preempted:
+            return False
+        self.checkpointer.wait()
+        saved = f"checkpoint {self.checkpointer.step_folder(self.step)} written" if c.enable else "checkpoints disabled"
+        self._log(f"preemption signal at step {self.step}: {saved}; exiting with {EXIT_PREEMPTED}")
+        return True
 
     def train_step(self, data_iter) -> dict | None:
         """One optimizer step over grad_accum micro-steps, each with its own sampled (n, k)."""
@@ -254,6 +320,8 @@ class Trainer:
             token_loss_sum = torch.nn.functional.cross_entropy(
                 logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
             )
+            if self.step == self.test_nan_step:
+                token_loss_sum = token_loss_sum * float("nan")
             # FSDP averages gradients over ranks, so scale the sum by the data-parallel size to get
             # the exact mean over every valid token of the global batch.
             (token_loss_sum * self.dp_world / global_tokens).backward()
@@ -292,12 +360,16 @@ class Trainer:
     def _handle_nonfinite(self, loss: float, grad_norm: float) -> None:
         message = f"non-finite loss {loss} or grad norm {grad_norm} at step {self.step}"
         self.progress.skipped_steps += 1
+        stop = None
         if not self.cfg.training.skip_nonfinite:
-            raise NonFiniteError(f"{message}; stopping (no checkpoint of this state is written)")
-        if self.progress.skipped_steps > self.cfg.training.max_skipped_steps:
-            raise NonFiniteError(
-                f"{message}; {self.progress.skipped_steps} steps skipped > training.max_skipped_steps"
-            )
+            stop = "stopping (training.skip_nonfinite = false)"
+        elif self.progress.skipped_steps > self.cfg.training.max_skipped_steps:
+            stop = f"stopping: {self.progress.skipped_steps} steps skipped > training.max_skipped_steps"
+        if stop:
+            self.checkpointer.wait()  # an in-flight save holds the last good state: complete it
+            latest = self.checkpointer.latest_step()
+            last_good = "none" if latest is None else self.checkpointer.step_folder(latest)
+            raise NonFiniteError(f"{message}; {stop}; nothing of this state is saved (latest good checkpoint: {last_good})")
         self._log(f"{message}; step skipped ({self.progress.skipped_steps} so far)")
         self.progress.step = self.step
 
@@ -431,12 +503,12 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         return trainer.train()
     except (NonFiniteError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return EXIT_NONFINITE if isinstance(err, NonFiniteError) else 2
+        return EXIT_NONFINITE if isinstance(err, NonFiniteError) else EXIT_BAD_INPUT
     finally:
         trainer.close()
 
