@@ -250,7 +250,7 @@ def test_array_of_tables_errors_carry_the_path(tmp_path):
         (MODEL + ["--lr_scheduler.warmup_fraction", "0.5"], "lr_scheduler.warmup_fraction + decay_fraction must be <= 1"),
         (MODEL + ["--training.global_batch_size", "20"], "training.global_batch_size (20) must be a multiple of"),
         (MODEL + ["--parallel.dp_shard", "0"], "parallel.dp_shard must be -1 or >= 1, got 0"),
-        (MODEL + ["--model.preset", "tinyllama-1.1b"], "set only one of model.path and model.preset"),
+        (MODEL + ["--model.preset", "tinyllama-1.1b"], "model.preset needs model.shape = P,R,C"),
         (["--model.preset", "tinyllama-1.1b", "--model.init", "random"], "model.preset needs model.shape = P,R,C"),
         (["--model.preset", "tinyllama-1.1b", "--model.shape", "4,8,4"], "model.preset has no weights"),
         (["--model.preset", "tinylama-1.1b"], "unknown model.preset 'tinylama-1.1b' (did you mean 'tinyllama-1.1b'?)"),

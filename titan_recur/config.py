@@ -68,7 +68,11 @@ class Model:
         "Source-model preset, e.g. 'tinyllama-1.1b', built from model.shape without weights "
         "(meta-device counts, random init).",
     )
-    shape: list[int] = opt([], "Prelude,core,coda layer counts (P,R,C) for model.preset.")
+    shape: list[int] = opt(
+        [],
+        "Prelude,core,coda layer counts (P,R,C) for model.preset. Set with model.path too, preset + shape "
+        "name the folder's architecture (tools/flops.py uses them before conversion; the trainer checks them).",
+    )
     init: Literal["load", "random"] = opt(
         "load", "'load' weights from model.path, or 'random' init (from scratch / debug)."
     )
@@ -533,7 +537,6 @@ def _require(ok: Any, message: str) -> None:
 
 def _validate_model(m: Model) -> None:
     _require(m.path or m.preset, "set model.path (a converted model folder) or model.preset")
-    _require(not (m.path and m.preset), "set only one of model.path and model.preset")
     if not m.preset:
         _require(not m.shape, "model.shape only applies with model.preset")
         return
@@ -550,7 +553,8 @@ def _validate_model(m: Model) -> None:
         sum(m.shape) <= preset.n_layers,
         f"model.shape {m.shape} needs {sum(m.shape)} layers; {m.preset} has {preset.n_layers}",
     )
-    _require(m.init == "random", "model.preset has no weights: set model.init = 'random' (or use model.path)")
+    if not m.path:
+        _require(m.init == "random", "model.preset has no weights: set model.init = 'random' (or use model.path)")
 
 
 def _validate_data(d: Data) -> None:

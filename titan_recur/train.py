@@ -81,12 +81,20 @@ def init_distributed(device_choice: str) -> DistInfo:
 
 def resolve_model_args(cfg: JobConfig) -> ModelArgs:
     """The architecture from the converted folder, or from a preset shape (random init)."""
-    if cfg.model.preset:
-        return PRESETS[cfg.model.preset].model_args(*cfg.model.shape)
-    path = Path(cfg.model.path)
+    m = cfg.model
+    if not m.path:
+        return PRESETS[m.preset].model_args(*m.shape)
+    path = Path(m.path)
     if not path.is_dir():
         raise ConfigError(f"model.path {path}: no such folder (convert a model first: tools/convert_hf.py)")
-    return read_model_args(path)
+    args = read_model_args(path)
+    if m.preset:  # preset + shape beside a path: the architecture the folder must have
+        expected = PRESETS[m.preset].model_args(*m.shape)
+        fields = ("n_prelude", "n_core", "n_coda", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "block_type")
+        diff = [f"{f} {getattr(args, f)} != {getattr(expected, f)}" for f in fields if getattr(args, f) != getattr(expected, f)]
+        if diff:
+            raise ConfigError(f"model.path {path} is not model.preset {m.preset} with shape {m.shape}: {', '.join(diff)}")
+    return args
 
 
 class PreemptionFlag:
@@ -466,7 +474,7 @@ def initial_full_state(cfg: JobConfig, args: ModelArgs) -> dict[str, torch.Tenso
     from titan_recur.models.io import load_state_dict_into
 
     source = RecurrentLM(args)
-    if cfg.model.init == "random" or cfg.model.preset:
+    if cfg.model.init == "random" or not cfg.model.path:
         torch.manual_seed(cfg.job.seed)
         source.init_weights()
     else:

@@ -10,12 +10,12 @@ OUT=outputs/demo
 rm -rf "$OUT"
 
 echo "== 1/3 surgery: assets/tiny_llama (8 layers) -> prelude 1, core 2, coda 1"
-$PY tools/convert_hf.py assets/tiny_llama "$OUT/converted" --shape 1,2,1
+$PY tools/convert_hf.py assets/tiny_llama "$OUT/converted" --shape 1,2,1 --adapter-init random
 
 echo "== 2/3 train: 2 ranks (torchrun, gloo, FSDP2), 1-sqrt curriculum to mean 4, Muon"
 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m titan_recur.train \
   --config train_configs/debug_model.toml --model.path "$OUT/converted" --job.dump_folder "$OUT/run" \
-  --validation.enable true --data.validation_fraction 0.05
+  --validation.enable true --data.validation_fraction 0.05 --training.steps 100 --validation.interval 50
 
 echo "== 3/3 evaluate: held-out loss at test-time recurrence r"
 $PY -m titan_recur.eval loss --checkpoint "$OUT/run/final_model" --recurrences 1,2,4,8,16 \
@@ -28,5 +28,5 @@ Done.
   metrics:       $OUT/run/metrics.jsonl
   checkpoints:   $OUT/run/checkpoints/
   final model:   $OUT/run/final_model/
-  loss vs r:     $OUT/eval/loss_vs_recurrence.png  ($OUT/eval/loss_vs_recurrence.json)
+  loss vs r:     $OUT/eval/validation_loss.png  ($OUT/eval/validation_loss.json)
 TXT

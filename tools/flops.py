@@ -228,7 +228,10 @@ def setup_from_config(path: str, overrides: list[str], world_size: int) -> Setup
     """Shape, schedule and batch of a train config; tokens/step = global batch (sequences) * seq_len."""
     cfg = load_config(path, overrides)
     m, t = cfg.model, cfg.training
-    args = resolve_model_args(cfg)
+    if m.path and m.preset and not Path(m.path).is_dir():
+        args = PRESETS[m.preset].model_args(*m.shape)  # not converted yet: FLOPs need the shape only
+    else:
+        args = resolve_model_args(cfg)
     label = m.path or f"{m.preset} {shape_label(args)}"
     per_micro_step = t.local_batch_size * world_size
     sequences = t.global_batch_size or per_micro_step

@@ -1,0 +1,91 @@
+"""Runs single-process training jobs back to back in one interpreter (imports cost seconds per process).
+
+Usage: ckpt_worker.py JOBS.json RESULTS.json. JOBS is a list of {"argv": [...], "env": {...}, "watch": PATH,
+"truncate": PATH, "resume_only": PATH}. Each job calls titan_recur.train.main(argv) with env set for its
+duration and records its exit code (None if it raised), stdout and stderr. "truncate" first cuts that
+file to half its size; "watch" records {relative path: [size, mtime_ns]} of everything under PATH before
+and after the job; "resume_only" instead builds the Trainer, calls resume() and saves the step, the
+model parameters and the optimizer state sizes to that path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+
+def snapshot(folder: str) -> dict[str, list[int]]:
+    root = Path(folder)
+    return {str(p.relative_to(root)): [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(root.rglob("*"))}
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
+
+
+def resume_only(argv: list[str], out: str) -> int:
+    """Build the trainer, resume, and record what was loaded (step, parameters, optimizer state sizes)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from titan_recur.config import parse_args
+    from titan_recur.train import Trainer
+
+    trainer = Trainer(parse_args(argv))
+    trainer.resume()
+    params = get_model_state_dict(trainer.model)
+    optimizer_states = [len(o.state) for o in trainer.optimizers.optimizers]
+    torch.save({"step": trainer.step, "params": params, "optimizer_states": optimizer_states}, out)
+    trainer.close()
+    return 0
+
+
+def run_job(job: dict) -> dict:
+    from titan_recur.train import main
+
+    result: dict = {}
+    if job.get("truncate"):
+        path = Path(job["truncate"])
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    if job.get("watch"):
+        result["before"] = snapshot(job["watch"])
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with environment(job.get("env", {})), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            if job.get("resume_only"):
+                result["rc"] = resume_only(job["argv"], job["resume_only"])
+            else:
+                result["rc"] = main(job["argv"])
+        except Exception:  # report it with the job's output instead of losing every job's results
+            result["rc"] = None
+            traceback.print_exc()
+    if job.get("watch"):
+        result["after"] = snapshot(job["watch"])
+    result["stdout"], result["stderr"] = stdout.getvalue(), stderr.getvalue()
+    return result
+
+
+def main() -> None:
+    jobs = json.loads(Path(sys.argv[1]).read_text())
+    results = [run_job(job) for job in jobs]
+    Path(sys.argv[2]).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Evaluation: validation loss vs r (API, offline CLI, DCP input), the lm-eval model and sweep, task configs."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from titan_recur import load_model
+from titan_recur.checkpoint import ModelState
+from titan_recur.eval import mean_losses, validation_loss_sums, validation_losses
+from titan_recur.eval.__main__ import main as eval_main
+from titan_recur.models.model import cross_entropy_loss
+from titan_recur.surgery import ConvertOptions, convert, plan_layers
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG_MODEL = REPO / "assets" / "tiny_llama_recurrent"
+LM_EVAL_TASKS = REPO / "tests" / "assets_lm_eval"
+TINY_TASKS = ["titan_recur_tiny_choice", "titan_recur_tiny_gen", "titan_recur_tiny_rolling"]
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No downloads; the tiny lm-eval tasks name their data relative to the repository root."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.chdir(REPO)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pretrained tiny Llama retrofitted 2,4,2 with a random adapter, so the output depends on r."""
+    folder = tmp_path_factory.mktemp("eval") / "tiny_random_adapter"
+    convert(REPO / "assets" / "tiny_llama", folder, plan_layers(8, (2, 4, 2)), ConvertOptions(adapter_init="random"))
+    return folder
+
+
+def make_batches(seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for size in (3, 2):
+        ids = torch.randint(3, 512, (size, 17), generator=gen)
+        labels = ids[:, 1:].clone()
+        labels[0, :5] = -100  # ignored tokens must not count
+        batches.append({"input_ids": ids[:, :-1], "labels": labels})
+    return batches
+
+
+def test_validation_losses_are_token_weighted_and_deterministic(model_dir: Path) -> None:
+    model = load_model(model_dir)
+    assert model.args.state_init == "normal"  # the eval init is zero regardless: no RNG in the result
+    batches = make_batches()
+    losses = validation_losses(model, iter(batches), [1, 4], "cpu")  # a one-shot iterator is read once
+    assert losses == validation_losses(model, batches, [1, 4], "cpu")
+    for r in (1, 4):
+        total = sum(
+            cross_entropy_loss(model(b["input_ids"], r, state_init="zero"), b["labels"]).item()
+            * (b["labels"] != -100).sum().item()
+            for b in batches
+        )
+        n_tokens = sum((b["labels"] != -100).sum().item() for b in batches)
+        assert losses[r] == pytest.approx(total / n_tokens, rel=1e-6)
+    assert abs(losses[1] - losses[4]) > 1e-3  # the random adapter makes depth matter
+
+
+def test_validation_loss_sums_add_across_ranks(model_dir: Path) -> None:
+    """Per-rank (sum, count) pairs, summed as an all-reduce would, give the loss over all batches."""
+    model = load_model(model_dir)
+    batches = make_batches()
+    per_rank = [validation_loss_sums(model, [b], [2], "cpu") for b in batches]
+    reduced = {2: (sum(s[2][0] for s in per_rank), sum(s[2][1] for s in per_rank))}
+    assert reduced[2][1] == (3 + 2) * 16 - 2 * 5
+    assert mean_losses(reduced)[2] == pytest.approx(validation_losses(model, batches, [2], "cpu")[2], rel=1e-9)
+
+
+@pytest.mark.parametrize("recurrences", [[0], [], [2, -1]])
+def test_validation_rejects_bad_recurrences(model_dir: Path, recurrences: list[int]) -> None:
+    with pytest.raises(ValueError, match="recurrences"):
+        validation_losses(load_model(model_dir), make_batches(), recurrences, "cpu")
+
+
+def run_loss_cli(*args: str) -> int:
+    return eval_main(["loss", "--batches", "2", "--batch-size", "2", "--seq-len", "32", *args])
+
+
+def test_loss_cli_on_debug_model_writes_json_and_png(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    out = tmp_path / "sweep"
+    data = str(REPO / "assets" / "corpus" / "math.jsonl")
+    argv = ["--checkpoint", str(DEBUG_MODEL), "--data", data, "--recurrences", "1,2,4", "--out", str(out)]
+    assert run_loss_cli(*argv) == 0
+    report = json.loads((out / "validation_loss.json").read_text())
+    assert report["recurrences"] == [1, 2, 4] and report["tokens"] == 2 * 2 * 32
+    assert report["state_init"] == "zero" and all(math.isfinite(v) for v in report["loss"].values())
+    image = matplotlib.image.imread(out / "validation_loss.png")
+    assert image.ndim == 3 and image.shape[0] > 100
+
+
+def test_loss_cli_reads_dcp_step_and_train_config_validation_split(model_dir: Path, tmp_path: Path) -> None:
+    """A DCP step folder (+ --model-config) gives the model folder's losses; --config uses the held-out split."""
+    step = tmp_path / "checkpoints" / "step-7"
+    dcp.save({"model": ModelState(load_model(model_dir))}, checkpoint_id=str(step))
+    config = tmp_path / "train.toml"
+    config.write_text(
+        f'[model]\npath = "{model_dir}"\n[data]\nvalidation_fraction = 0.2\n'
+        '[[data.sources]]\npath = "assets/corpus/math.jsonl"\nkind = "jsonl"\n'
+    )
+    reports = {}
+    for name, source in {"folder": ["--checkpoint", str(model_dir)],
+                         "dcp": ["--checkpoint", str(step), "--model-config", str(model_dir)]}.items():
+        argv = [*source, "--config", str(config), "--recurrences", "1,3", "--out", str(tmp_path / name)]
+        assert run_loss_cli(*argv) == 0
+        reports[name] = json.loads((tmp_path / name / "validation_loss.json").read_text())
+    assert reports["dcp"]["loss"] == reports["folder"]["loss"]
+    assert reports["folder"]["data"].endswith("(validation split)")
+
+
+def last_line(stderr: str) -> str:
+    """The CLI's one-line error (library warnings may precede it)."""
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith("python -m titan_recur.eval "), stderr
+    return line
+
+
+def test_loss_cli_errors_are_one_line(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    data = ["--data", str(REPO / "assets" / "corpus" / "math.jsonl"), "--out", str(tmp_path / "o")]
+    no_tokenizer = tmp_path / "no_tokenizer"
+    shutil.copytree(model_dir, no_tokenizer, ignore=shutil.ignore_patterns("tokenizer*"))
+    cases = {
+        "no such checkpoint": ["--checkpoint", str(tmp_path / "missing")],
+        "no tokenizer found": ["--checkpoint", str(no_tokenizer)],
+        "recurrences must be": ["--checkpoint", str(model_dir), "--recurrences", "0,2"],
+        "no file matches": ["--checkpoint", str(model_dir), "--data", str(tmp_path / "nothing.jsonl")],
+    }
+    for message, args in cases.items():
+        assert run_loss_cli(*data, *args) == 2, message
+        assert message in last_line(capsys.readouterr().err)
+    step = tmp_path / "step-1"
+    dcp.save({"model": ModelState(load_model(model_dir))}, checkpoint_id=str(step))
+    assert run_loss_cli(*data, "--checkpoint", str(step), "--tokenizer", str(model_dir)) == 2
+    assert "--model-config" in last_line(capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------ lm-eval-harness
+
+
+@pytest.fixture(scope="module")
+def task_manager():
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(LM_EVAL_TASKS), include_defaults=False)
+
+
+def test_lm_eval_batch_size_8_equals_batch_size_1(model_dir: Path, task_manager) -> None:
+    """loglikelihood, loglikelihood_rolling and generate_until through lm_eval's API: per-sample equality."""
+    from lm_eval import simple_evaluate
+
+    import titan_recur.eval.lm_eval_model  # noqa: F401  (registers "titan_recur")
+
+    samples = {}
+    for batch_size in (1, 8):
+        result = simple_evaluate(
+            model="titan_recur", model_args=f"pretrained={model_dir},num_steps=3,batch_size={batch_size}",
+            tasks=TINY_TASKS, task_manager=task_manager, log_samples=True,
+        )
+        samples[batch_size] = {task: [s["resps"] for s in result["samples"][task]] for task in TINY_TASKS}
+    one, eight = samples[1], samples[8]
+    for task in ("titan_recur_tiny_choice", "titan_recur_tiny_rolling"):
+        flat1 = [r for doc in one[task] for req in doc for r in req]
+        flat8 = [r for doc in eight[task] for req in doc for r in req]
+        assert len(flat1) == len(flat8) >= 10
+        for a, b in zip(flat1, flat8):
+            a, b = (a, b) if isinstance(a, tuple) else ((a, None), (b, None))
+            assert a[0] == pytest.approx(b[0], rel=1e-5, abs=1e-4) and a[1] == b[1], task
+    generations = [doc[0][0] for doc in one["titan_recur_tiny_gen"]]
+    assert generations == [doc[0][0] for doc in eight["titan_recur_tiny_gen"]]
+    assert len(set(generations)) > 1 and all(generations)
+
+
+def test_harness_sweep_one_load_table_per_r(model_dir: Path, task_manager, tmp_path: Path) -> None:
+    from titan_recur.eval.harness import harness_sweep, results_table, write_results
+    from titan_recur.eval.lm_eval_model import TitanRecurLM
+
+    lm = TitanRecurLM(pretrained=str(model_dir), batch_size=4)
+    results = harness_sweep(lm, ["titan_recur_tiny_choice"], [1, 3], task_manager, limit=4)
+    rows = results_table(results)
+    assert rows == [{"task": "titan_recur_tiny_choice", "metric": "acc,none", "1": rows[0]["1"], "3": rows[0]["3"]}]
+    table_json, table_md = write_results(results, tmp_path)
+    assert json.loads(table_json.read_text()) == rows
+    assert "| titan_recur_tiny_choice | acc,none |" in table_md.read_text()
+    assert (tmp_path / "results_r3.json").is_file()
+
+
+def index_without_lm_eval_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CLIs build their TaskManager with lm_eval's ~15k built-in configs (~8 s); tests leave those out."""
+    import lm_eval.tasks
+
+    manager = functools.partial(lm_eval.tasks.TaskManager, include_defaults=False)
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", manager)
+
+
+def test_harness_cli_writes_table(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The primary command, end to end."""
+    index_without_lm_eval_tasks(monkeypatch)
+    argv = ["harness", "--model_args", f"pretrained={model_dir},batch_size=8", "--include_path", str(LM_EVAL_TASKS),
+            "--tasks", "titan_recur_tiny_gen", "--recurrences", "2,4", "--limit", "3", "--log_samples",
+            "--out", str(tmp_path)]
+    assert eval_main(argv) == 0
+    assert "| titan_recur_tiny_gen | exact_match,flexible-extract |" in (tmp_path / "table.md").read_text()
+    assert (tmp_path / "samples_r4.json").is_file()
+
+
+def test_unknown_task_is_a_clear_error(task_manager) -> None:
+    from titan_recur.eval.harness import check_tasks
+
+    assert check_tasks(["titan_recur_tiny_*", str(LM_EVAL_TASKS / "tiny_gen.yaml")], task_manager)
+    with pytest.raises(ValueError, match=r"unknown task\(s\) \['no_such_task'\]"):
+        check_tasks(["titan_recur_tiny_gen", "no_such_task"], task_manager)
+
+
+@pytest.mark.parametrize(
+    "model_args, message",
+    [("num_steps=0", "recurrences"), ("state_init=random", "state_init"), ("batch_size=auto", "batch_size"),
+     ("nonsense=1", "nonsense")],
+)
+def test_bad_model_args(model_dir: Path, model_args: str, message: str) -> None:
+    from lm_eval.utils import simple_parse_args_string
+
+    from titan_recur.eval.lm_eval_model import TitanRecurLM
+
+    with pytest.raises((ValueError, TypeError), match=message):
+        TitanRecurLM(**simple_parse_args_string(f"pretrained={model_dir},{model_args}"))
+
+
+def test_generate_until_refuses_sampling(model_dir: Path) -> None:
+    from titan_recur.eval.lm_eval_model import TitanRecurLM
+
+    with pytest.raises(ValueError, match="greedily"):
+        TitanRecurLM(pretrained=str(model_dir))._generation_settings({"do_sample": True, "temperature": 0.7})
+
+
+def test_gsm8k_cot_recur_task_parses_offline(tmp_path: Path) -> None:
+    """tasks/gsm8k_cot_recur.yaml is indexed, and renders 1-shot CoT prompts (on a local stand-in for GSM8K)."""
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    manager = TaskManager(include_path=str(REPO / "tasks"), include_defaults=False)
+    assert "gsm8k_cot_recur" in manager.all_tasks
+    config = load_yaml(manager.task_index["gsm8k_cot_recur"].yaml_path)
+    assert config["dataset_path"] == "openai/gsm8k"
+    data = tmp_path / "gsm8k.jsonl"
+    doc = {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = 7.\n#### 7"}
+    data.write_text(json.dumps(doc))
+    config.pop("dataset_name")
+    config.update(dataset_path="json", dataset_kwargs={"data_files": {"test": str(data)}})
+    task = manager.load([config])["tasks"]["gsm8k_cot_recur"]
+    doc = next(iter(task.test_docs()))
+    prompt = task.fewshot_context(doc, num_fewshot=task.config.num_fewshot)
+    assert prompt.count("Q: ") == 2 and prompt.count("A: Let's think step by step.") == 2
+    assert prompt.endswith("Q: Tom has 3 apples and buys 4 more. How many?\nA: Let's think step by step.")
+    assert task.doc_to_target(doc) == "7"
+    assert [f["name"] for f in config["filter_list"]] == ["strict-match", "flexible-extract"]
+
+
+def test_lm_eval_cli_with_registered_model(model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """`python -m titan_recur.eval lm_eval ...` is lm_eval's CLI with `--model titan_recur` available."""
+    index_without_lm_eval_tasks(monkeypatch)
+    argv = ["lm_eval", "run", "--model", "titan_recur", "--model_args", f"pretrained={model_dir},num_steps=2",
+            "--tasks", "titan_recur_tiny_choice", "--include_path", str(LM_EVAL_TASKS), "--limit", "2",
+            "--device", "cpu"]
+    assert eval_main(argv) == 0
+    assert "titan_recur_tiny_choice" in capsys.readouterr().out

@@ -1,0 +1,184 @@
+"""lm-eval-harness model ``titan_recur``: a titan_recur checkpoint at a chosen test recurrence.
+
+Registered on import (lm_eval 0.4.13 has no plugin discovery), so use it through
+``python -m titan_recur.eval harness`` or, in Python, ``import titan_recur.eval.lm_eval_model`` before
+``lm_eval.simple_evaluate(model="titan_recur", model_args="pretrained=PATH,num_steps=32")``.
+
+Batches are exact: loglikelihood rows are right-padded (causal attention never sees the padding),
+generation rows left-padded with an attention mask and mask-derived positions, and the recurrent
+state starts deterministic (see ``eval_state_init``), so batch size changes nothing but speed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lm_eval import utils
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+
+from titan_recur.eval.loading import default_tokenizer_folder, load_checkpoint, resolve_device
+from titan_recur.eval.loss import check_recurrences, eval_state_init
+from titan_recur.models.args import STATE_INITS
+from titan_recur.models.generate import greedy_generate
+from titan_recur.tokenizer import check_vocab, load_tokenizer
+
+
+@register_model("titan_recur")
+class TitanRecurLM(TemplateLM):
+    """model_args: pretrained=PATH (model folder or DCP step + model_config=FOLDER), num_steps=r (default: the
+    model's mean_recurrence), batch_size, device, dtype (float32|bfloat16), max_length, max_gen_toks,
+    state_init (default: deterministic, see eval_state_init), tokenizer=FOLDER (default: the model folder).
+
+    ``num_steps`` may be changed between evaluations of the same instance (the harness sweep does).
+    """
+
+    def __init__(
+        self,
+        pretrained: str,
+        num_steps: int | None = None,
+        batch_size: int | str = 1,
+        device: str | None = "auto",
+        dtype: str = "float32",
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        state_init: str | None = None,
+        model_config: str | None = None,
+        tokenizer: str | None = None,
+    ) -> None:
+        super().__init__()
+        if str(batch_size).startswith("auto"):
+            raise ValueError("titan_recur: batch_size=auto is not supported; give a number")
+        self.batch_size = int(batch_size)
+        if self.batch_size < 1:
+            raise ValueError(f"titan_recur: batch_size must be >= 1, got {batch_size}")
+        if state_init is not None and state_init not in STATE_INITS:
+            raise ValueError(f"titan_recur: state_init must be one of {STATE_INITS}, got {state_init!r}")
+        self._device = resolve_device(device)
+        self.model = load_checkpoint(pretrained, model_config, device=self._device, dtype=dtype)
+        self.tokenizer = load_tokenizer(tokenizer or default_tokenizer_folder(pretrained, model_config))
+        check_vocab(self.tokenizer, self.model.args.vocab_size)
+        self.num_steps = self.model.args.mean_recurrence if num_steps is None else int(num_steps)
+        self.state_init = state_init or eval_state_init(self.model.args)
+        self.max_length = int(max_length or self.model.args.max_seq_len)
+        self.max_gen_toks = int(max_gen_toks)
+
+    @property
+    def num_steps(self) -> int:
+        return self._num_steps
+
+    @num_steps.setter
+    def num_steps(self, value: int) -> None:
+        self._num_steps = check_recurrences([value])[0]
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """Scored text is conditioned on BOS where the model's tokenizer adds one (as in training), else EOS."""
+        return self.tokenizer.bos_id if self.tokenizer.add_bos else self.tokenizer.eos_id
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        """Ids of ``string``, starting with BOS where the tokenizer adds one, unless add_special_tokens=False."""
+        return self.tokenizer.encode(string, bos=self.tokenizer.add_bos and add_special_tokens is not False, eos=False)
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(input_ids, self.num_steps, attention_mask=attention_mask, state_init=self.state_init)
+
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
+    ) -> list[tuple[float, bool]]:
+        """(sum of continuation log-probs, whether greedy decoding reproduces it) per (key, context, continuation)."""
+
+        def length_first(request: tuple[Any, list[int], list[int]]) -> tuple[int, tuple[int, ...]]:
+            tokens = request[1] + request[2]
+            return -len(tokens), tuple(tokens)
+
+        ordered = Collator(requests, sort_fn=length_first)
+        results = []
+        for batch in ordered.get_batched(n=self.batch_size):
+            # The last max_length + 1 tokens; the model reads all but the last and predicts all but the first.
+            rows = [(request[1] + request[2])[-(self.max_length + 1) :] for request in batch]
+            inputs = [row[:-1] for row in rows]
+            input_ids = _pad(inputs, self.tokenizer.pad_id or 0, left=False).to(self._device)
+            logprobs = F.log_softmax(self._forward(input_ids).float(), dim=-1)
+            for i, (request, row) in enumerate(zip(batch, rows)):
+                n_cont = len(request[2])
+                target = torch.tensor(row[-n_cont:], device=self._device)
+                scores = logprobs[i, len(row) - 1 - n_cont : len(row) - 1]
+                result = (float(scores.gather(-1, target[:, None]).sum()), bool((scores.argmax(-1) == target).all()))
+                if request[0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", request[0], result)
+                results.append(result)
+        return ordered.get_original(results)
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+        """Log-likelihood of whole texts, in max_length windows that each predict new tokens only, after BOS/EOS."""
+        windows, owners = [], []
+        for i, request in enumerate(requests):
+            tokens = self.tok_encode(request.args[0], add_special_tokens=False)
+            for context, continuation in map(
+                utils.make_disjoint_window,
+                utils.get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, context_len=1),
+            ):
+                windows.append((None, context, continuation))
+                owners.append(i)
+        totals = [0.0] * len(requests)
+        for i, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows)):
+            totals[i] += logprob
+        for request, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuations, cut at the first stop sequence (or EOS), batched by equal generation kwargs."""
+        encoded = {request.args[0]: self.tok_encode(request.args[0]) for request in requests}
+        ordered = Collator(
+            [request.args for request in requests],
+            sort_fn=lambda args: (-len(encoded[args[0]]), args[0]),
+            group_by="gen_kwargs",
+            group_fn=lambda args: args[1],
+        )
+        results = []
+        for batch in ordered.get_batched(n=self.batch_size):
+            until, max_gen_toks = self._generation_settings(batch[0][1])
+            contexts = [encoded[context][-(self.max_length - max_gen_toks) :] for context, _ in batch]
+            input_ids = _pad(contexts, self.tokenizer.pad_id or 0, left=True).to(self._device)
+            attention_mask = _pad([[1] * len(c) for c in contexts], 0, left=True).to(self._device)
+            new_tokens = greedy_generate(
+                self.model, input_ids, max_gen_toks, attention_mask=attention_mask, num_steps=self.num_steps,
+                eos_id=self.eot_token_id, state_init=self.state_init,
+            )
+            for (context, gen_kwargs), tokens in zip(batch, new_tokens.tolist()):
+                if self.eot_token_id in tokens:
+                    tokens = tokens[: tokens.index(self.eot_token_id)]
+                text = postprocess_generated_text(self.tok_decode(tokens), until, None)
+                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+                results.append(text)
+        return ordered.get_original(results)
+
+    def _generation_settings(self, gen_kwargs: dict[str, Any]) -> tuple[list[str], int]:
+        """Stop sequences (with the EOS text) and the token budget; only greedy decoding is supported."""
+        kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+        if kwargs.get("do_sample"):
+            raise ValueError(f"titan_recur decodes greedily; the task asks for sampling ({gen_kwargs})")
+        max_gen_toks = kwargs["max_gen_toks"]
+        if max_gen_toks >= self.max_length:
+            raise ValueError(f"max_gen_toks ({max_gen_toks}) must be below the model's max_length ({self.max_length})")
+        return handle_stop_sequences(kwargs["until"], eos=self.tok_decode([self.eot_token_id])), max_gen_toks
+
+
+def _pad(rows: list[list[int]], value: int, left: bool) -> torch.Tensor:
+    width = max(len(row) for row in rows)
+    padded = [[value] * (width - len(row)) + row if left else row + [value] * (width - len(row)) for row in rows]
+    return torch.tensor(padded, dtype=torch.long)

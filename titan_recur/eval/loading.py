@@ -1,0 +1,65 @@
+"""Load a model to evaluate or export: a titan_recur model folder, or a DCP step folder of a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from titan_recur.checkpoint import ModelState, load_from
+from titan_recur.models.io import WEIGHTS_NAME, load_model, read_model_args
+from titan_recur.models.model import RecurrentLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """'auto' (or None) = cuda when available, else cpu; no silent fallback from an explicit cuda device."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available (use device cpu or auto)")
+    return torch.device(device)
+
+
+def is_dcp_checkpoint(path: Path) -> bool:
+    return (path / ".metadata").is_file()
+
+
+def load_checkpoint(
+    path: str | Path,
+    model_config: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: str = "float32",
+) -> RecurrentLM:
+    """The model at ``path`` in eval mode.
+
+    path: a model folder (config.json + model.safetensors: converted, a run's final_model/, ...), or a
+    DCP step folder (``<dump>/checkpoints/step-N``), whose architecture comes from the model folder
+    ``model_config`` (DCP stores tensors only). A DCP step loads into a plain module, no process group.
+    """
+    path = Path(path)
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{path}: no such checkpoint (expected a model folder with config.json + {WEIGHTS_NAME}, "
+            "or a DCP step folder)"
+        )
+    if not is_dcp_checkpoint(path):
+        if model_config is not None:
+            raise ValueError(f"--model-config is only for DCP step folders; {path} is a model folder")
+        return load_model(path, device=device, dtype=DTYPES[dtype])
+    if model_config is None:
+        raise ValueError(
+            f"{path} is a DCP step folder: pass --model-config with the run's model folder "
+            "(config.json) for its architecture"
+        )
+    model = RecurrentLM(read_model_args(model_config))  # not meta + to_empty: that unties tied embeddings
+    load_from(path, {"model": ModelState(model)})
+    return model.to(device=device, dtype=DTYPES[dtype]).eval()
+
+
+def default_tokenizer_folder(path: str | Path, model_config: str | Path | None) -> Path:
+    """Where the tokenizer files of a checkpoint are: the model folder (or, for DCP, the --model-config folder)."""
+    return Path(model_config if model_config is not None else path)
