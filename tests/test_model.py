@@ -551,3 +551,12 @@ def test_block_matches_transformers_decoder_layer(block_type):
         ours = block(x, AttentionContext(cos=cos, sin=sin))
         theirs = layer(x, attention_mask=_causal_additive_mask(10), position_embeddings=(hf_cos, hf_sin))
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_meta_build_then_to_empty_keeps_the_head_tied():
+    """The trainer builds on the meta device; materialising must not untie head and embedding."""
+    with torch.device("meta"):
+        model = RecurrentLM(tiny_args(tie_embeddings=True))
+    model.to_empty(device="cpu")
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert model.inv_freq.device.type == "cpu" and model.inv_freq.dtype == torch.float32

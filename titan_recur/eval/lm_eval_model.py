@@ -157,7 +157,7 @@ class TitanRecurLM(TemplateLM):
             attention_mask = _pad([[1] * len(c) for c in contexts], 0, left=True).to(self._device)
             new_tokens = greedy_generate(
                 self.model, input_ids, max_gen_toks, attention_mask=attention_mask, num_steps=self.num_steps,
-                eos_id=self.eot_token_id, state_init=self.state_init,
+                eos_id=self.eot_token_id, state_init=self.state_init, stop=self._stop_check(until),
             )
             for (context, gen_kwargs), tokens in zip(batch, new_tokens.tolist()):
                 if self.eot_token_id in tokens:
@@ -166,6 +166,15 @@ class TitanRecurLM(TemplateLM):
                 self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
                 results.append(text)
         return ordered.get_original(results)
+
+    def _stop_check(self, until: list[str]):
+        """Rows whose decoded text already holds a stop sequence: decoding ends once every row has one."""
+
+        def stopped(new_tokens: torch.Tensor) -> torch.Tensor:
+            texts = [self.tok_decode(row) for row in new_tokens.tolist()]
+            return torch.tensor([any(s in text for s in until) for text in texts], device=new_tokens.device)
+
+        return stopped
 
     def _generation_settings(self, gen_kwargs: dict[str, Any]) -> tuple[list[str], int]:
         """Stop sequences (with the EOS text) and the token budget; only greedy decoding is supported."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from titan_recur.models.blocks import KVCache
@@ -18,11 +20,13 @@ def greedy_generate(
     num_steps: NumSteps = None,
     eos_id: int | None = None,
     state_init: str = "zero",
+    stop: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Append up to max_new_tokens greedy tokens to each (left-padded) row; returns only the new tokens.
 
     The state defaults to zero so that generation is deterministic and a row's tokens do not depend
-    on what else is in the batch; finished rows keep emitting ``eos_id``.
+    on what else is in the batch; finished rows keep emitting ``eos_id``. ``stop(new_tokens)`` -> (B,)
+    bool marks more rows finished (e.g. a stop string was generated); decoding ends once all rows are.
     """
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -38,7 +42,9 @@ def greedy_generate(
             next_token = torch.where(finished, torch.full_like(next_token, eos_id), next_token)
             finished |= next_token == eos_id
         new_tokens.append(next_token)
-        if eos_id is not None and bool(finished.all()):
+        if stop is not None:
+            finished |= stop(torch.stack(new_tokens, dim=1))
+        if (eos_id is not None or stop is not None) and bool(finished.all()):
             break
         step_input = next_token[:, None]
         attention_mask = torch.cat([attention_mask, torch.ones_like(step_input)], dim=1)

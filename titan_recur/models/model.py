@@ -162,9 +162,12 @@ class RecurrentLM(nn.Module):
         self.reset_rope_buffer()
 
     def _apply(self, fn, recurse=True):
-        # .to(dtype) casts float buffers too; RoPE frequencies rounded to bf16 are off by ~1 rad per
-        # 1000 positions, so they are recomputed in fp32 after every move or cast.
+        # Moving off the meta device (to_empty) makes new Parameters per module, which would untie the
+        # head from the embedding: tie them again. And .to(dtype) casts float buffers too; RoPE
+        # frequencies rounded to bf16 are off by ~1 rad per 1000 positions: recompute them in fp32.
         super()._apply(fn, recurse)
+        if self.args.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
         self.reset_rope_buffer()
         return self
 
