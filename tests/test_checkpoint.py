@@ -156,7 +156,8 @@ def start_torchrun(args: list[str], log: Path) -> subprocess.Popen:
     """torchrun with 2 ranks in a new session, output to ``log``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def start_ranks(args: list[str], nproc: int, logs: Path) -> list[subprocess.Popen]:
@@ -174,9 +175,10 @@ def start_ranks(args: list[str], nproc: int, logs: Path) -> list[subprocess.Pope
     return procs
 
 
-def wait_for_step(dump: Path, step: int, procs: list[subprocess.Popen], log: Path) -> None:
+def wait_for_step(dump: Path, step: int, procs: list[subprocess.Popen], log: Path, logged_before: int = 0) -> None:
+    """Until this launch (the metrics lines after ``logged_before``) has logged ``step`` or a later one."""
     deadline = time.monotonic() + LAUNCH_TIMEOUT
-    while not any(r["step"] >= step for r in read_metrics(dump)[-3:]):
+    while not any(r["step"] >= step for r in read_metrics(dump)[logged_before:]):
         if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
             for p in procs:
                 _kill_group(p)
@@ -292,7 +294,7 @@ def test_kill9_at_random_steps_resumes_bit_identically(reference, tmp_path):
         logged_before = len(read_metrics(dump))
         log = tmp_path / f"launch{launch}.log"
         proc = start_torchrun(command, log)
-        wait_for_step(dump, kill_step, [proc], log)
+        wait_for_step(dump, kill_step, [proc], log, logged_before)
         _kill_group(proc)
         output, records = log.read_text(), read_metrics(dump)[logged_before:]
         assert resumed_step(output) == expected_resume[0], output[-3000:]
@@ -333,7 +335,8 @@ def test_sigterm_and_sigusr1_checkpoint_exit_42_and_resume_exactly(reference, tm
     assert codes == [EXIT_PREEMPTED, EXIT_PREEMPTED], output[-4000:]
     stopped = read_metrics(dump)[-1]["step"]
     assert stopped >= 10
-    assert f"preemption signal at step {stopped}: checkpoint {dump / 'checkpoints' / f'step-{stopped}'} written" in output
+    saved = dump / "checkpoints" / f"step-{stopped}"
+    assert f"preemption signal at step {stopped}: checkpoint {saved} written" in output
     assert scan_checkpoints(dump / "checkpoints").complete[-1] == stopped
     assert not (dump / "final_model").exists()
     logged_before = len(read_metrics(dump))

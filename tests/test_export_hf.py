@@ -179,7 +179,7 @@ def test_generate_as_lm_eval_hf_backend_calls_it(recurrent_dir: Path, exported: 
 
 def test_lm_eval_hf_backend_runs_the_export(exported: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`lm_eval --model hf --model_args pretrained=EXPORT,trust_remote_code=True` (its Python API)."""
-    pytest.importorskip("accelerate", reason="lm_eval's hf backend needs accelerate (lm_eval[hf])")
+
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 

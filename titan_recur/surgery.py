@@ -444,7 +444,7 @@ def convert(
     state = _converted_state(weights, names, args, options)
     provenance = {"source": source_name or str(source.folder), "architecture": source.architecture,
                   "n_source_layers": source.n_layers, "options": dataclasses.asdict(options)}
-    _write_atomically(output, lambda tmp: _write_folder(tmp, args, state, source.folder, provenance))
+    write_atomically(output, lambda tmp: _write_folder(tmp, args, state, source.folder, provenance))
     return args
 
 
@@ -489,7 +489,7 @@ def _write_folder(
     (folder / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
 
 
-def _write_atomically(output: Path, write: Callable[[Path], None]) -> None:
+def write_atomically(output: Path, write: Callable[[Path], None]) -> None:
     """Build the folder beside OUTPUT, then swap it in by rename; on failure remove the partial folder."""
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))

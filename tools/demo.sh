@@ -15,7 +15,7 @@ $PY tools/convert_hf.py assets/tiny_llama "$OUT/converted" --shape 1,2,1 --adapt
 echo "== 2/3 train: 2 ranks (torchrun, gloo, FSDP2), 1-sqrt curriculum to mean 4, Muon"
 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m titan_recur.train \
   --config train_configs/debug_model.toml --model.path "$OUT/converted" --job.dump_folder "$OUT/run" \
-  --validation.enable true --data.validation_fraction 0.05 --training.steps 100 --validation.interval 50
+  --training.steps 100 --validation.interval 50
 
 echo "== 3/3 evaluate: held-out loss at test-time recurrence r"
 $PY -m titan_recur.eval loss --checkpoint "$OUT/run/final_model" --recurrences 1,2,4,8,16 \

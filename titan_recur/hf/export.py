@@ -24,7 +24,7 @@ from titan_recur.eval.loss import eval_state_init
 from titan_recur.models.args import STATE_INITS, ModelArgs
 from titan_recur.models.io import copy_tokenizer_files, savable_state_dict
 from titan_recur.models.model import RecurrentLM
-from titan_recur.surgery import LayerPlan, _write_atomically, source_tensor_names
+from titan_recur.surgery import LayerPlan, write_atomically, source_tensor_names
 
 HF_DIR = Path(__file__).parent
 CONFIG_FILE = "configuration_titan_recur.py"
@@ -220,7 +220,7 @@ def export_hf(
         if not copy_tokenizer_files(Path(tokenizer_folder), folder):
             raise ExportError(f"{tokenizer_folder}: no tokenizer files to export")
 
-    _write_atomically(output, write)
+    write_atomically(output, write)
     return output
 
 
