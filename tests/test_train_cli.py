@@ -24,8 +24,8 @@ def read_metrics(dump: Path) -> list[dict]:
 
 def test_debug_run_on_two_ranks_logs_and_heals(tmp_path):
     dump = tmp_path / "debug"
-    run_torchrun(
-        ["-m", "titan_recur.train", "--config", DEBUG_CONFIG, "--job.dump_folder", str(dump),
+    proc = run_torchrun(
+        ["-m", "titan_recur.train", "--config", DEBUG_CONFIG, "--job.dump_folder", str(dump), "--job.print_config",
          "--metrics.log_freq", "4", "--checkpoint.interval", "20", "--validation.enable", "true",
          "--validation.interval", "20", "--data.validation_fraction", "0.05"],
         nproc=2,
@@ -50,7 +50,8 @@ def test_debug_run_on_two_ranks_logs_and_heals(tmp_path):
         assert all(math.isfinite(v) for k, v in record.items() if k.startswith("validation."))
     assert list((dump / "tb").glob("events.out.tfevents.*"))
     assert (dump / "final_model" / "model.safetensors").is_file()
-    assert (dump / "config.json").is_file()
+    assert json.loads((dump / "config.json").read_text())["job"]["dump_folder"] == str(dump)
+    assert f'"dump_folder": "{dump}"' in proc.stdout  # job.print_config
 
 
 def run_main(argv: list[str], capsys) -> tuple[int, str]:

@@ -413,9 +413,13 @@ class Trainer:
             print(f"[titan_recur] {message}", flush=True)
 
     def _write_run_config(self) -> None:
+        """The resolved config beside the run's outputs (and on the console with job.print_config)."""
         if self.dist.rank == 0:
+            text = json.dumps(config_to_dict(self.cfg), indent=2) + "\n"
             self.dump.mkdir(parents=True, exist_ok=True)
-            (self.dump / "config.json").write_text(json.dumps(config_to_dict(self.cfg), indent=2) + "\n")
+            (self.dump / "config.json").write_text(text)
+            if self.cfg.job.print_config:
+                print(text, end="", flush=True)
 
     def tokenizer_folder(self) -> str | None:
         return self.cfg.data.tokenizer or self.cfg.model.path
