@@ -19,7 +19,7 @@ $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m titan_recur.trai
 
 echo "== 3/3 evaluate: held-out loss at test-time recurrence r"
 $PY -m titan_recur.eval loss --checkpoint "$OUT/run/final_model" --recurrences 1,2,4,8,16 \
-  --data assets/corpus/general.jsonl --batches 4 --batch-size 8 --seq-len 64 --out "$OUT/eval"
+  --config train_configs/debug_model.toml --batches 8 --batch-size 8 --seq-len 64 --out "$OUT/eval"
 
 cat <<TXT
 
