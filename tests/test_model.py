@@ -93,19 +93,27 @@ def manual_forward(model: RecurrentLM, x: torch.Tensor, n: int, k: int, prefix_m
     e = model.embed_tokens(x)
     for block in model.prelude:
         e = block(e, ctx)
-    state = model.core.initial_state(e, "zero")
+    state = torch.zeros_like(e)
+
+    def iterate(s: torch.Tensor) -> torch.Tensor:
+        """s_i = Core(A [s_{i-1}; e]), straight from SPEC §1."""
+        h = model.core.adapter(torch.cat([s, e], dim=-1))
+        for block in model.core.blocks:
+            h = block(h, ctx)
+        return h
+
     if prefix_mode == "no_grad":
         with torch.no_grad():
-            for i in range(n):
-                state = model.core._iterate(state, e, ctx, i)
+            for _ in range(n):
+                state = iterate(state)
         state = state.detach()
     else:
-        for i in range(n):
-            state = model.core._iterate(state, e, ctx, i)
+        for _ in range(n):
+            state = iterate(state)
         if prefix_mode == "detach":
             state = state.detach()
-    for i in range(n, n + k):
-        state = model.core._iterate(state, e, ctx, i)
+    for _ in range(k):
+        state = iterate(state)
     h = state
     for block in model.coda:
         h = block(h, ctx)

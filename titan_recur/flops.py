@@ -172,8 +172,10 @@ def training_flops_per_token(
     """FLOPs per token of a training micro-step with n no-grad then k grad core iterations.
 
     Gradients reach the head, the coda, the k grad iterations and, through the injection e, the
-    prelude (when k >= 1). ac_mode follows the parallelize recipe: prelude/coda blocks are recomputed,
-    plus per grad iteration the adapter and R blocks ("per_iteration") or the R blocks ("full").
+    prelude (when k >= 1). The adapter A [s; e] = A_s s + A_e e runs A_s s per iteration and the
+    injection A_e e once per micro-step (it is the same for every iteration). ac_mode follows the
+    parallelize recipe: prelude/coda blocks are recomputed, plus per grad iteration A_s s and the R
+    blocks ("per_iteration") or the R blocks ("full").
     That recompute is exact for eager checkpointing without early stop; torch's default early stop
     skips each region's final down_proj, and compiled regions recompute what the partitioner picks.
     """
@@ -183,18 +185,21 @@ def training_flops_per_token(
     if not args.is_recurrent:
         n, k = 0, 0
     block = _block_flops(args, seq_len)
-    adapter = 2 * 2 * args.dim * args.dim
-    iteration = adapter + args.n_core * block
+    adapter_half = 2 * args.dim * args.dim
+    injection = adapter_half if args.is_recurrent else 0.0
+    iteration = adapter_half + args.n_core * block
     head = 2 * args.dim * args.vocab_size
     prelude, coda = args.n_prelude * block, args.n_coda * block
-    # The prelude gets gradients through the injection e only if some iteration carries grad.
-    prelude_grad = prelude if (k > 0 or not args.is_recurrent) else 0.0
-    forward = prelude + (n + k) * iteration + coda + head
+    # The prelude and the injection get gradients only if some iteration carries grad.
+    prelude_grad = prelude + injection if (k > 0 or not args.is_recurrent) else 0.0
+    forward = prelude + injection + (n + k) * iteration + coda + head
     backward = 2 * (prelude_grad + k * iteration + coda + head)
+    if k > 0:  # the state entering the first grad iteration carries no grad: A_s gets only its weight grad
+        backward -= adapter_half
     recompute = 0.0
     if ac_mode != "none":
         core_recompute = iteration if ac_mode == "per_iteration" else args.n_core * block
-        recompute = prelude_grad + k * core_recompute + coda
+        recompute = prelude_grad - injection * (k > 0) + k * core_recompute + coda
     return FlopBreakdown(forward, backward, recompute)
 
 

@@ -36,21 +36,26 @@ class RecurrentCore(nn.Module):
     def forward(
         self, embedded: torch.Tensor, ctx: AttentionContext, num_steps: tuple[int, int], state_init: str
     ) -> torch.Tensor:
-        """n iterations without grad, then k with grad (truncated backprop through depth)."""
+        """n iterations without grad, then k with grad (truncated backprop through depth).
+
+        A [s; e] = A_s s + A_e e, and A_e e is the same in every iteration: it is computed once, with
+        grad, so the k grad iterations still send gradients to A_e and the prelude through it.
+        """
         n_no_grad, n_grad = num_steps
+        injected = F.linear(embedded, self.adapter.weight[:, self.args.dim :])
         state = self.initial_state(embedded, state_init)
         with torch.no_grad():
             for i in range(n_no_grad):
-                state = self._iterate(state, embedded, ctx, i)
+                state = self._iterate(state, injected, ctx, i)
         for i in range(n_no_grad, n_no_grad + n_grad):
             if self.checkpoint_iterations and torch.is_grad_enabled():
-                state = checkpoint(self._iterate, state, embedded, ctx, i, use_reentrant=False)
+                state = checkpoint(self._iterate, state, injected, ctx, i, use_reentrant=False)
             else:
-                state = self._iterate(state, embedded, ctx, i)
+                state = self._iterate(state, injected, ctx, i)
         return state
 
-    def _iterate(self, state: torch.Tensor, embedded: torch.Tensor, ctx: AttentionContext, i: int) -> torch.Tensor:
-        x = self.adapter(torch.cat([state, embedded], dim=-1))
+    def _iterate(self, state: torch.Tensor, injected: torch.Tensor, ctx: AttentionContext, i: int) -> torch.Tensor:
+        x = F.linear(state, self.adapter.weight[:, : self.args.dim]) + injected
         for j, block in enumerate(self.blocks):
             # The slot name is only used with a KV cache; "" keeps compiled blocks free of per-call constants.
             x = block(x, ctx, f"core.{j}.{i}" if ctx.cache is not None else "")
