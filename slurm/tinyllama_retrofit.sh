@@ -28,14 +28,9 @@
 
 CONFIG=${CONFIG:-train_configs/tinyllama.toml}
 
-# sbatch runs a spooled copy of this file: find the checkout (REPO, this file's folder, or the
-# submit directory) and hand over to the shared launcher.
-for _dir in "${REPO:-}" "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." 2>/dev/null && pwd)" "${SLURM_SUBMIT_DIR:-}"; do
-  if [[ -n $_dir && -f $_dir/slurm/launch.sh ]]; then REPO=$_dir; break; fi
-done
-if [[ -z ${REPO:-} || ! -f $REPO/slurm/launch.sh ]]; then
-  echo "error: cannot find slurm/launch.sh: sbatch from the repository root, or set REPO" >&2
-  exit 2
-fi
+# sbatch runs a spooled copy of this file: reach the checkout through REPO, the submit directory
+# or (run directly) this file's folder; the launcher then checks it and does the rest.
+REPO=${REPO:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
+[[ -f $REPO/slurm/launch.sh ]] || { echo "error: no slurm/launch.sh in $REPO: sbatch from the repo root or set REPO" >&2; exit 2; }
 export REPO CONFIG
 source "$REPO/slurm/launch.sh" "$@"
