@@ -84,15 +84,20 @@ def run_steps(trainer: Trainer, args: argparse.Namespace) -> dict:
         original_step()
 
     trainer.optimizers.step = step_recording_grads
-    losses = []
+    records = train_fixed_steps(trainer, args)
+    params = {clean_name(n): full(p) for n, p in trainer.model.named_parameters()}
+    return {"losses": [r["loss"] for r in records], "grads": grads, "params": params}
+
+
+def train_fixed_steps(trainer: Trainer, args: argparse.Namespace) -> list[dict]:
+    """The trainer's own train_step on the fixed batches; returns each step's record."""
     rank, world = trainer.dist.rank, trainer.dist.world_size
+    records = []
     batches = fixed_batches(args.steps, args.accum, args.global_batch, args.seq_len, 97, rank, world)
     for step, micro in enumerate(batches, start=1):
         trainer.step = step
-        record = trainer.train_step(iter(micro))
-        losses.append(record["loss"])
-    params = {clean_name(n): full(p) for n, p in trainer.model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params}
+        records.append(trainer.train_step(iter(micro)))
+    return records
 
 
 @contextlib.contextmanager
@@ -166,17 +171,10 @@ def run_compile(trainer: Trainer, args: argparse.Namespace) -> dict:
     from torch._dynamo.utils import counters
 
     counters.clear()
-    losses, depths = [], []
-    rank, world = trainer.dist.rank, trainer.dist.world_size
-    batches = fixed_batches(args.steps, args.accum, args.global_batch, args.seq_len, 97, rank, world)
-    for step, micro in enumerate(batches, start=1):
-        trainer.step = step
-        record = trainer.train_step(iter(micro))
-        losses.append(record["loss"])
-        depths.append((record["n"], record["k"]))
+    records = train_fixed_steps(trainer, args)
     return {
-        "losses": losses,
-        "depths": depths,
+        "losses": [r["loss"] for r in records],
+        "depths": [(r["n"], r["k"]) for r in records],
         "unique_graphs": counters["stats"]["unique_graphs"],
         "frames": dict(counters["frames"]),
         "recompiles": sum(v for k, v in counters["recompiles"].items()) if "recompiles" in counters else 0,
