@@ -136,3 +136,16 @@ def test_compiled_blocks_do_not_recompile_per_recurrence(model_dir, tmp_path):
     # Graphs over all blocks: grad / no-grad variants, shared by blocks of the same kind.
     assert compiled["unique_graphs"] <= 3, compiled
     torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_blocks_under_fsdp_match_eager(model_dir, tmp_path):
+    """The production path: per-block compile inside FSDP2 units, 2 ranks, AC per iteration."""
+    common = ("--mode", "compile", "--steps", "8", "--ac", "per_iteration", "--recurrence.curriculum", "none")
+    compiled_args, compiled_out = worker_args(model_dir, tmp_path, "compiled", *common, "--training.compile", "true")
+    eager_args, eager_out = worker_args(model_dir, tmp_path, "eager", *common)
+    run_torchrun([WORKER, *compiled_args], nproc=2)
+    run_torchrun([WORKER, *eager_args], nproc=2)
+    compiled, eager = json.loads(compiled_out.read_text()), json.loads(eager_out.read_text())
+    assert compiled["depths"] == eager["depths"]
+    assert compiled["unique_graphs"] <= 3, compiled
+    torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-4, atol=1e-5)
