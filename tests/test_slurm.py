@@ -252,14 +252,19 @@ def wait_for(path: Path, timeout: float = 10) -> None:
         time.sleep(0.02)
 
 
-def test_usr1_is_forwarded_and_requeues(fake_cluster):
-    """--signal=B:USR1@300: the batch shell forwards SIGUSR1 to srun, then requeues on its failure."""
-    repo, fake, env = fake_cluster
+def start_waiting_launch(repo, env: dict) -> subprocess.Popen:
+    """The batch script with a fake srun that blocks until the test releases it."""
     env["FAKE_SRUN_MODE"] = "wait"
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         ["bash", str(repo / "slurm/llama1b_retrofit.sh")], env=env, cwd=repo, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
     )
+
+
+def test_usr1_is_forwarded_and_requeues(fake_cluster):
+    """--signal=B:USR1@300: the batch shell forwards SIGUSR1 to srun, then requeues on its failure."""
+    repo, fake, env = fake_cluster
+    proc = start_waiting_launch(repo, env)
     try:
         wait_for(fake / "srun.started")
         proc.send_signal(signal.SIGUSR1)
@@ -275,11 +280,7 @@ def test_usr1_is_forwarded_and_requeues(fake_cluster):
 def test_sigterm_does_not_requeue(fake_cluster):
     """scancel / scheduler preemption: SIGTERM reaches the step from Slurm; the shell waits, no requeue."""
     repo, fake, env = fake_cluster
-    env["FAKE_SRUN_MODE"] = "wait"
-    proc = subprocess.Popen(
-        ["bash", str(repo / "slurm/llama1b_retrofit.sh")], env=env, cwd=repo, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-    )
+    proc = start_waiting_launch(repo, env)
     try:
         wait_for(fake / "srun.started")
         proc.send_signal(signal.SIGTERM)
