@@ -14,9 +14,9 @@ import torch.distributed.checkpoint as dcp
 
 from titan_recur import load_model
 from titan_recur.checkpoint import ModelState
-from titan_recur.eval import mean_losses, validation_loss_sums, validation_losses
+from titan_recur.eval import mean_losses, validation_loss_sums
 from titan_recur.eval.__main__ import main as eval_main
-from titan_recur.models.model import cross_entropy_loss
+from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.surgery import ConvertOptions, convert, plan_layers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,6 +39,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("eval") / "tiny_random_adapter"
     convert(REPO / "assets" / "tiny_llama", folder, plan_layers(8, (2, 4, 2)), ConvertOptions(adapter_init="random"))
     return folder
+
+
+def validation_losses(model, batches, recurrences, device) -> dict[int, float]:
+    """{r: token-weighted mean loss} on one process's batches."""
+    return mean_losses(validation_loss_sums(model, batches, recurrences, device))
 
 
 def make_batches(seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -184,14 +189,40 @@ def test_lm_eval_batch_size_8_equals_batch_size_1(model_dir: Path, task_manager)
     assert len(set(generations)) > 1 and all(generations)
 
 
+def choice_accuracy(model_dir: Path, r: int, limit: int) -> float:
+    """The tiny choice task's accuracy computed by hand: one unbatched forward per (question, choice).
+
+    As lm_eval scores it: context "Question: q\nAnswer:", continuation " choice" (the tokens the
+    whole text adds after the context's own), context starting with BOS, argmax of summed log-probs.
+    """
+    from titan_recur.tokenizer import load_tokenizer
+
+    model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+    docs = [json.loads(line) for line in (LM_EVAL_TASKS / "tiny.jsonl").read_text().splitlines()[:limit]]
+    correct = 0
+    for doc in docs:
+        context = f"Question: {doc['question']}\nAnswer:"
+        context_ids = tokenizer.encode(context, bos=tokenizer.add_bos, eos=False)
+        scores = []
+        for choice in doc["choices"]:
+            whole = tokenizer.encode(context + " " + choice, bos=tokenizer.add_bos, eos=False)
+            with torch.no_grad():
+                logprobs = torch.log_softmax(model(torch.tensor([whole[:-1]]), r, state_init="zero")[0], -1)
+            positions = range(len(context_ids) - 1, len(whole) - 1)
+            scores.append(sum(logprobs[i, whole[i + 1]].item() for i in positions))
+        correct += max(range(len(scores)), key=scores.__getitem__) == doc["answer"]
+    return correct / len(docs)
+
+
 def test_harness_sweep_one_load_table_per_r(model_dir: Path, task_manager, tmp_path: Path) -> None:
     from titan_recur.eval.harness import harness_sweep, results_table, write_results
     from titan_recur.eval.lm_eval_model import TitanRecurLM
 
     lm = TitanRecurLM(pretrained=str(model_dir), batch_size=4)
-    results = harness_sweep(lm, ["titan_recur_tiny_choice"], [1, 3], task_manager, limit=4)
+    results = harness_sweep(lm, ["titan_recur_tiny_choice"], [1, 3], task_manager, limit=8)
     rows = results_table(results)
-    assert rows == [{"task": "titan_recur_tiny_choice", "metric": "acc,none", "1": rows[0]["1"], "3": rows[0]["3"]}]
+    expected = {str(r): choice_accuracy(model_dir, r, limit=8) for r in (1, 3)}
+    assert rows == [{"task": "titan_recur_tiny_choice", "metric": "acc,none", **expected}]
     table_json, table_md = write_results(results, tmp_path)
     assert json.loads(table_json.read_text()) == rows
     assert "| titan_recur_tiny_choice | acc,none |" in table_md.read_text()

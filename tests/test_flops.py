@@ -27,7 +27,8 @@ from titan_recur.flops import (
 )
 from titan_recur.models.args import PRESETS, ModelArgs
 from titan_recur.models.io import write_model_args
-from titan_recur.models.model import RecurrentLM, cross_entropy_loss
+from titan_recur.models.loss import cross_entropy_loss
+from titan_recur.models.model import RecurrentLM
 from titan_recur.parallelize import apply_activation_checkpointing
 from titan_recur.recurrence import Curriculum, RecurrenceSchedule
 

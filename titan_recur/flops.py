@@ -1,4 +1,4 @@
-"""Parameter counts, FLOPs and MFU of a depth-recurrent LM, analytically from ModelArgs (SPEC §4).
+"""Parameter counts, FLOPs and MFU of a depth-recurrent LM, analytically from ModelArgs (docs/method.md §4).
 
 TorchTitan's 6 * N FLOPs/token counts each parameter once, which is wrong for a looped model. Two
 conventions are provided instead:
@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from titan_recur.config import AC_MODES
 from titan_recur.models.args import ModelArgs
-from titan_recur.parallelize import AC_MODES
+from titan_recur.models.model import resolve_num_steps
 from titan_recur.recurrence import RecurrenceSchedule
 
 CONVENTIONS = ("paper", "full")
@@ -158,14 +159,6 @@ def _block_flops(args: ModelArgs, seq_len: int) -> float:
     return 2 * _block_matmul_params(args) + attention_flops_per_token(args, seq_len)
 
 
-def _check_num_steps(args: ModelArgs, num_steps: tuple[int, int]) -> tuple[int, int]:
-    """(n, k) as ints; a recurrent model needs at least one iteration. A static model ignores them."""
-    n, k = (int(v) for v in num_steps)
-    if n < 0 or k < 0 or (args.is_recurrent and n + k < 1):
-        raise ValueError(f"num_steps must give at least one iteration and no negative counts, got {num_steps}")
-    return n, k
-
-
 def training_flops_per_token(
     args: ModelArgs, num_steps: tuple[int, int], seq_len: int, ac_mode: str = "none"
 ) -> FlopBreakdown:
@@ -181,9 +174,8 @@ def training_flops_per_token(
     """
     if ac_mode not in AC_MODES:
         raise ValueError(f"ac_mode must be one of {AC_MODES}, got {ac_mode!r}")
-    n, k = _check_num_steps(args, num_steps)
-    if not args.is_recurrent:
-        n, k = 0, 0
+    # A static model has no loop: its (n, k) is ignored.
+    n, k = resolve_num_steps(num_steps, args) if args.is_recurrent else (0, 0)
     block = _block_flops(args, seq_len)
     adapter_half = 2 * args.dim * args.dim
     injection = adapter_half if args.is_recurrent else 0.0

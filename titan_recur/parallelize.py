@@ -16,9 +16,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from titan_recur.config import AC_MODES
 from titan_recur.models.model import RecurrentLM
-
-AC_MODES = ("none", "full", "per_iteration")
 
 
 def build_dp_mesh(device_type: str, world_size: int, dp_replicate: int, dp_shard: int) -> DeviceMesh:
@@ -38,32 +37,31 @@ def build_dp_mesh(device_type: str, world_size: int, dp_replicate: int, dp_shard
 
 
 def apply_activation_checkpointing(model: RecurrentLM, mode: str) -> None:
-    """Checkpoint prelude/coda blocks, and the core per iteration ("per_iteration") or per block ("full")."""
+    """Checkpoint prelude/coda blocks, and the core per iteration ("per_iteration") or per block ("full").
+
+    Checkpointing recomputes only what ran with grad: the no-grad iterations store nothing anyway.
+    """
     if mode not in AC_MODES:
         raise ValueError(f"ac_mode must be one of {AC_MODES}, got {mode!r}")
     if mode == "none":
         return
-    for blocks in (model.prelude, model.coda):
+    stacks = [model.prelude, model.coda]
+    if model.core is not None and mode == "full":
+        stacks.append(model.core.blocks)
+    for blocks in stacks:
         for i, block in enumerate(blocks):
-            blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
-    if model.core is None:
-        return
-    if mode == "per_iteration":
-        model.core.checkpoint_iterations = True
-    else:
-        for i, block in enumerate(model.core.blocks):
-            model.core.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+            blocks[i] = _checkpointed(block)
+    if model.core is not None and mode == "per_iteration":
+        model.core.iteration = _checkpointed(model.core.iteration)
 
 
-def transformer_blocks(model: RecurrentLM) -> list[nn.Module]:
-    """Every block of every stack, in order (possibly AC-wrapped)."""
-    core_blocks = list(model.core.blocks) if model.core is not None else []
-    return [*model.prelude, *core_blocks, *model.coda]
+def _checkpointed(module: nn.Module) -> nn.Module:
+    return checkpoint_wrapper(module, preserve_rng_state=False)
 
 
 def apply_compile(model: RecurrentLM) -> None:
     """Compile each block on its own; the same graphs serve every iteration of the loop."""
-    for block in transformer_blocks(model):
+    for block in model.blocks():
         block.compile(fullgraph=True)
 
 

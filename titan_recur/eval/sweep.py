@@ -12,7 +12,7 @@ import torch
 
 from titan_recur.config import Data, DataSource, load_config
 from titan_recur.data import build_dataloader
-from titan_recur.eval.loss import eval_state_init, mean_losses, validation_loss_sums
+from titan_recur.eval.loss import mean_losses, validation_loss_sums
 from titan_recur.models.model import RecurrentLM
 from titan_recur.tokenizer import Tokenizer
 
@@ -66,7 +66,7 @@ def loss_sweep(
     state_init: str | None = None,
 ) -> dict[str, Any]:
     """The report: loss per recurrence (token-weighted), token count, and the settings."""
-    state_init = state_init or eval_state_init(model.args)
+    state_init = state_init or model.args.eval_state_init
     sums = validation_loss_sums(model, batches, recurrences, device, state_init)
     losses = mean_losses(sums)
     return {

@@ -17,25 +17,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from titan_recur.eval.loading import DTYPES
-from titan_recur.eval.loss import eval_state_init
 from titan_recur.models.args import STATE_INITS, ModelArgs
-from titan_recur.models.io import copy_tokenizer_files, savable_state_dict
+from titan_recur.models.io import (
+    DTYPES,
+    WEIGHTS_NAME,
+    check_output_folder,
+    copy_tokenizer_files,
+    savable_state_dict,
+    save_weights,
+    write_atomically,
+)
 from titan_recur.models.model import RecurrentLM
-from titan_recur.surgery import LayerPlan, write_atomically, source_tensor_names
+from titan_recur.surgery import LayerPlan, source_tensor_names
 
 HF_DIR = Path(__file__).parent
 CONFIG_FILE = "configuration_titan_recur.py"
 MODELING_FILE = "modeling_titan_recur.py"
-WEIGHTS_NAME = "model.safetensors"
 # titan_recur modules inlined into the shipped modeling file, dependencies first; then the HF wrapper.
 INLINED_MODULES = (
     "titan_recur.models.args",
     "titan_recur.models.rope",
     "titan_recur.models.blocks",
     "titan_recur.models.model",
+    "titan_recur.models.loss",
     "titan_recur.hf.modeling_titan_recur",
 )
 # Inference defaults, stored at the top level of the HF config (see configuration_titan_recur.py).
@@ -188,7 +193,7 @@ def export_hf(
     """Write the HF folder of ``model``; returns it. Nothing is left behind on failure.
 
     mean_recurrence: default iterations of the export (None: the model's); state_init: default
-    state init (None: the deterministic eval init, see titan_recur.eval.eval_state_init).
+    state init (None: the deterministic eval init, ``ModelArgs.eval_state_init``).
     """
     output = Path(output)
     _check_output(output, force)
@@ -201,7 +206,7 @@ def export_hf(
         r = args.mean_recurrence if mean_recurrence is None else mean_recurrence
         if r < 1:
             raise ExportError(f"mean recurrence must be >= 1, got {r}")
-        config = recurrent_hf_config(args, r, state_init or eval_state_init(args), dtype)
+        config = recurrent_hf_config(args, r, state_init or args.eval_state_init, dtype)
         state = {RECURRENT_PREFIX + k: v for k, v in savable_state_dict(model).items()}
     elif mean_recurrence is not None or state_init is not None:
         raise ExportError("a static model has no recurrence: mean_recurrence and state_init do not apply")
@@ -212,8 +217,7 @@ def export_hf(
 
     def write(folder: Path) -> None:
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-        (folder / WEIGHTS_NAME).chmod(0o644)
+        save_weights(state, folder)
         if args.is_recurrent:
             shutil.copy(HF_DIR / CONFIG_FILE, folder / CONFIG_FILE)
             (folder / MODELING_FILE).write_text(standalone_modeling_source())
@@ -226,13 +230,12 @@ def export_hf(
 
 def _check_output(output: Path, force: bool) -> None:
     """Refuse a non-empty output folder; --force replaces only a previous HF export."""
-    if output.exists() and not output.is_dir():
-        raise ExportError(f"{output} exists and is not a folder")
-    if not output.is_dir() or not any(output.iterdir()):
-        return
-    if not force:
-        raise ExportError(f"{output} exists and is not empty; pass --force to overwrite it")
-    config = output / "config.json"
-    exported = config.is_file() and (output / WEIGHTS_NAME).is_file()
+    check_output_folder(output, force, _not_an_export, ExportError)
+
+
+def _not_an_export(folder: Path) -> str | None:
+    config = folder / "config.json"
+    exported = config.is_file() and (folder / WEIGHTS_NAME).is_file()
     if not (exported and "architectures" in json.loads(config.read_text())):
-        raise ExportError(f"refusing to overwrite {output} with --force: it is not an exported model folder")
+        return "it is not an exported model folder"
+    return None

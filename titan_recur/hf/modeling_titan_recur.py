@@ -16,7 +16,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.blocks import KVCache
-from titan_recur.models.model import RecurrentLM, cross_entropy_loss
+from titan_recur.models.loss import cross_entropy_loss
+from titan_recur.models.model import RecurrentLM
 
 from .configuration_titan_recur import TitanRecurConfig
 
@@ -26,7 +27,6 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
 
     config_class = TitanRecurConfig
     base_model_prefix = "model"
-    _tied_weights_keys = {"model.lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: TitanRecurConfig) -> None:
         super().__init__(config)
@@ -34,9 +34,9 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()
 
     def _init_weights(self, module: torch.nn.Module) -> None:
-        # Weights always come from the export; only the RoPE table (a non-persistent buffer) is computed.
+        # titan_recur's own init (from_config); an export's weights then load over it.
         if isinstance(module, RecurrentLM):
-            module.reset_rope_buffer()
+            module.init_weights()
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -46,7 +46,8 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.embed_tokens
 
-    def get_output_embeddings(self) -> torch.nn.Module:
+    def get_output_embeddings(self) -> torch.nn.Module | None:
+        # None when tied: the model projects with the embedding matrix itself.
         return self.model.lm_head
 
     def forward(
