@@ -22,9 +22,9 @@ import torch
 from titan_recur.config import config_to_dict, load_config
 from titan_recur.flops import TrainingRun, block_params, param_counts, training_flops_per_token
 from titan_recur.models.args import PRESETS
-from titan_recur.models.io import write_model_args
+from titan_recur.models.io import resolve_model_args, write_model_args
 from titan_recur.models.model import RecurrentLM
-from titan_recur.train import build_recurrence_schedule, resolve_model_args
+from titan_recur.train import build_recurrence_schedule
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "train_configs"
@@ -210,7 +210,7 @@ def test_convert_command_in_comment(name):
 @pytest.mark.parametrize("name", sorted(PAPER))
 def test_meta_model_matches_source_model(name):
     cfg = load(name, *preset_overrides(name))
-    args = resolve_model_args(cfg)
+    args = resolve_model_args(cfg.model)
     preset, (p, r, c) = PAPER[name]
     assert (args.n_prelude, args.n_core, args.n_coda) == (p, r, c)
     with torch.device("meta"):
@@ -243,7 +243,7 @@ def test_meta_model_matches_source_model(name):
 
 def test_tinyllama_static_non_embedding_params():
     """SPEC section 4: the static TinyLlama has 968,976,384 non-embedding parameters."""
-    args = resolve_model_args(load("tinyllama_static", *preset_overrides("tinyllama_static")))
+    args = resolve_model_args(load("tinyllama_static", *preset_overrides("tinyllama_static")).model)
     assert param_counts(args).non_embedding == 968_976_384
 
 
@@ -253,7 +253,7 @@ def test_tinyllama_static_non_embedding_params():
 def paper_flops(name: str, *overrides: str) -> float:
     cfg = load(name, *preset_overrides(name), *overrides)
     tokens = cfg.training.global_batch_size * cfg.training.seq_len
-    run = TrainingRun(resolve_model_args(cfg), build_recurrence_schedule(cfg), tokens, cfg.training.seq_len)
+    run = TrainingRun(resolve_model_args(cfg.model), build_recurrence_schedule(cfg), tokens, cfg.training.seq_len)
     return run.cumulative_flops(cfg.training.steps, "paper")
 
 
@@ -312,7 +312,7 @@ def test_equal_flops_checkpoint(static):
     twin = TWINS[static]
     static_total = paper_flops(static)
     cfg = load(twin, *preset_overrides(twin))
-    run = TrainingRun(resolve_model_args(cfg), build_recurrence_schedule(cfg), TOKENS_PER_STEP, 1024)
+    run = TrainingRun(resolve_model_args(cfg.model), build_recurrence_schedule(cfg), TOKENS_PER_STEP, 1024)
     steps = run.steps_for_flops(static_total, "paper")
     assert 0 < steps < cfg.training.steps
     whole = math.floor(steps)

@@ -27,6 +27,10 @@ except ModuleNotFoundError:  # Python < 3.11
 
 from titan_recur.models.args import PRESETS
 
+# Activation checkpointing modes of the parallelize recipe (their FLOP cost is in titan_recur.flops).
+ACMode = Literal["none", "full", "per_iteration"]
+AC_MODES: tuple[str, ...] = get_args(ACMode)
+
 _CLI = "command line"
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
@@ -96,13 +100,16 @@ class Training:
     )
     mixed_precision_reduce: Literal["float32", "bfloat16"] = opt("float32", "Gradient reduce-scatter dtype.")
     compile: bool = opt(False, "Compile the model with torch.compile.")
-    ac_mode: Literal["none", "full", "per_iteration"] = opt(
+    ac_mode: ACMode = opt(
         "per_iteration",
         "Activation checkpointing: 'full' = every block incl. each core iteration; 'per_iteration' = "
         "each grad-carrying core iteration plus prelude/coda blocks; 'none' = off.",
     )
     skip_nonfinite: bool = opt(False, "Skip optimizer steps whose loss or grad norm is not finite.")
     max_skipped_steps: int = opt(10, "Abort the run once more than this many steps were skipped.")
+    inject_nan_at_step: int = opt(
+        0, "Debug: make the loss of this step NaN, to exercise the non-finite guard end to end; 0 = off."
+    )
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "'auto' = cuda when available, else cpu.")
 
 
@@ -499,6 +506,7 @@ _AT_LEAST = {
     "training.local_batch_size": 1,
     "training.seq_len": 1,
     "training.max_skipped_steps": 0,
+    "training.inject_nan_at_step": 0,
     "recurrence.start": 1,
     "recurrence.backprop_depth": 1,
     "recurrence.backprop_start": 1,
@@ -543,16 +551,10 @@ def _validate_model(m: Model) -> None:
     hint = _suggest(m.preset, list(PRESETS))
     known = f" (did you mean {hint!r}?)" if hint else f"; known: {', '.join(PRESETS)}"
     _require(m.preset in PRESETS, f"unknown model.preset {m.preset!r}{known}")
-    preset = PRESETS[m.preset]
-    example = ",".join(map(str, preset.default_shape))
-    _require(
-        len(m.shape) == 3 and min(m.shape) >= 0,
-        f"model.preset needs model.shape = P,R,C (three counts >= 0, e.g. {example}), got {m.shape}",
-    )
-    _require(
-        sum(m.shape) <= preset.n_layers,
-        f"model.shape {m.shape} needs {sum(m.shape)} layers; {m.preset} has {preset.n_layers}",
-    )
+    try:
+        PRESETS[m.preset].check_shape(m.shape, m.preset)
+    except ValueError as err:
+        raise ConfigError(f"invalid config: {err}") from None
     if not m.path:
         _require(m.init == "random", "model.preset has no weights: set model.init = 'random' (or use model.path)")
 
@@ -582,12 +584,10 @@ def validate(cfg: JobConfig) -> None:
     for name in _FRACTIONS:
         _require(0 <= _get(cfg, name) <= 1, f"{name} must be in [0, 1], got {_get(cfg, name)}")
     t, r, o, s = cfg.training, cfg.recurrence, cfg.optimizer, cfg.lr_scheduler
-    gbs = t.global_batch_size
-    _require(
-        gbs is None or (gbs >= 1 and gbs % t.local_batch_size == 0),
-        f"training.global_batch_size ({gbs}) must be a multiple of local_batch_size * dp "
-        f"(local_batch_size = {t.local_batch_size})",
-    )
+    try:
+        grad_accum_steps(t, dp_world=None)
+    except ConfigError as err:
+        raise ConfigError(f"invalid config: {err}") from None
     _require(
         r.mean_recurrence >= r.start,
         f"recurrence.mean_recurrence ({r.mean_recurrence}) must be >= recurrence.start ({r.start})",
@@ -617,6 +617,21 @@ def validate(cfg: JobConfig) -> None:
     _require(peak is None or peak > 0, f"metrics.peak_flops must be > 0, got {peak}")
     _validate_model(cfg.model)
     _validate_data(cfg.data)
+
+
+def grad_accum_steps(t: Training, dp_world: int | None) -> int:
+    """Micro-steps per optimizer step: global_batch_size / (local_batch_size x dp ranks).
+
+    ``dp_world=None`` checks only what holds for every world size (a multiple of local_batch_size).
+    """
+    per_micro_step = t.local_batch_size * (dp_world or 1)
+    global_batch = t.global_batch_size or per_micro_step
+    if global_batch < 1 or global_batch % per_micro_step:
+        divisor = f"local_batch_size ({t.local_batch_size})"
+        if dp_world:
+            divisor = f"local_batch_size x data-parallel ranks ({t.local_batch_size} x {dp_world} = {per_micro_step})"
+        raise ConfigError(f"training.global_batch_size ({global_batch}) must be a multiple of {divisor}")
+    return global_batch // per_micro_step
 
 
 # ---------------------------------------------------------------------------------------------

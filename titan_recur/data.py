@@ -35,12 +35,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titan_recur.config import Data, DataSource
-from titan_recur.tokenizer import Tokenizer, check_vocab
+from titan_recur.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-# An early-closed parquet stream otherwise sleeps 5 s in datasets' thread shutdown.
-datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0
 
 _BUILDERS = {"text": "text", "jsonl": "json", "parquet": "parquet", "tokenized": "parquet"}
 TOKENS_COLUMN = "input_ids"
@@ -68,6 +65,8 @@ def _source_files(s: DataSource) -> list[str]:
 
 def open_source(s: DataSource) -> datasets.IterableDataset:
     """A streaming ``datasets`` reader of one source, reduced to its text (or input_ids) column."""
+    # An early-closed parquet stream otherwise sleeps 5 s in datasets' thread shutdown.
+    datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0
     try:
         if s.kind == "hf":
             ds = datasets.load_dataset(s.path, name=s.hf_config, split=s.split, streaming=True)
@@ -453,13 +452,11 @@ def _check_source(s: DataSource, seq_len: int) -> None:
         raise ValueError(f"data source {name!r}: field {_column(s)!r} not found in {s.path}")
 
 
-def check_data_config(cfg_data: Data, tokenizer: Tokenizer, seq_len: int, model_vocab_size: int | None = None) -> None:
+def check_data_config(cfg_data: Data, tokenizer: Tokenizer, seq_len: int) -> None:
     """Fail before training, with one line, on data the run could not use."""
     for start, sources in _phases(cfg_data, "train"):
         total = sum(s.weight for s in sources)
         if not total > 0:
             raise ValueError(f"data phase at step {start}: weights must sum to a positive number, got {total}")
-    if model_vocab_size is not None:
-        check_vocab(tokenizer, model_vocab_size)
     for s in _all_sources(cfg_data):
         _check_source(s, seq_len)

@@ -1,4 +1,8 @@
-"""Training metrics: one console line per log step, TensorBoard scalars and metrics.jsonl (rank 0 only)."""
+"""Training metrics: one console line per log step, TensorBoard scalars and metrics.jsonl (rank 0 only).
+
+The logger also owns the log window: throughput, MFU and the loss averaged over the steps since
+the last log line (a single step's loss is noisy under sampled depth).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,13 @@ import json
 import math
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from titan_recur import flops
 
 
 def max_memory_gib(device: torch.device) -> float:
@@ -20,11 +27,47 @@ def max_memory_gib(device: torch.device) -> float:
     return rss_kib / 2**20 if sys.platform != "darwin" else rss_kib / 2**30
 
 
+class StepWindow:
+    """Tokens, model FLOPs and losses of the steps since the window opened."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = time.perf_counter()
+        self.tokens, self.flops, self.losses = 0, 0.0, []
+
+    def add(self, tokens: int, step_flops: float, loss: float) -> None:
+        self.tokens += tokens
+        self.flops += step_flops
+        self.losses.append(loss)
+
+    def summary(self, peak_flops: float | None) -> dict[str, float | None]:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        flops_per_sec = self.flops / elapsed
+        return {
+            "loss_avg": sum(self.losses) / len(self.losses) if self.losses else math.nan,
+            "tokens_per_sec": self.tokens / elapsed,
+            "flops_per_sec": flops_per_sec,
+            "mfu": flops.mfu(flops_per_sec, peak_flops),
+        }
+
+
 class MetricsLogger:
     """Writes each record to console, TensorBoard and JSON lines; no-ops on ranks other than 0."""
 
-    def __init__(self, dump_folder: str | Path, *, enabled: bool, tensorboard: bool, jsonl: bool) -> None:
+    def __init__(
+        self,
+        dump_folder: str | Path,
+        *,
+        enabled: bool,
+        tensorboard: bool,
+        jsonl: bool,
+        peak_flops: float | None = None,
+    ) -> None:
         self.enabled = enabled
+        self.peak_flops = peak_flops
+        self.window = StepWindow()
         self.writer = None
         self.jsonl_file = None
         if not enabled:
@@ -37,6 +80,20 @@ class MetricsLogger:
             self.writer = SummaryWriter(log_dir=str(dump_folder / "tb"))
         if jsonl:
             self.jsonl_file = open(dump_folder / "metrics.jsonl", "a", buffering=1)
+
+    def log_window(self, record: dict[str, Any], device: torch.device) -> dict[str, Any]:
+        """Complete a step record with the window's figures and peak memory, log it, open a new window."""
+        record = {**record, **self.window.summary(self.peak_flops), "max_memory": max_memory_gib(device)}
+        self.window.reset()
+        mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
+        console = (
+            f"step {record['step']:>6}  loss {record['loss']:.4f} (avg {record['loss_avg']:.4f})  "
+            f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
+            f"mean r {record['mean_recurrence']} (this step n={record['n']} k={record['k']})  "
+            f"tok/s {record['tokens_per_sec']:,.0f}  mfu {mfu}  mem {record['max_memory']:.2f}GiB"
+        )
+        self.log(record, console)
+        return record
 
     def log(self, record: dict[str, Any], console: str) -> None:
         if not self.enabled:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from titan_recur.config import ConfigError, load_config  # noqa: E402
+from titan_recur.config import ConfigError, grad_accum_steps, load_config  # noqa: E402
 from titan_recur.flops import (  # noqa: E402
     AC_MODES,
     CONVENTIONS,
@@ -26,9 +26,9 @@ from titan_recur.flops import (  # noqa: E402
     training_flops_per_token,
 )
 from titan_recur.models.args import PRESETS, ModelArgs  # noqa: E402
-from titan_recur.models.io import read_model_args  # noqa: E402
+from titan_recur.models.io import read_model_args, resolve_model_args  # noqa: E402
 from titan_recur.recurrence import CURRICULUM_KINDS, Curriculum, RecurrenceSchedule  # noqa: E402
-from titan_recur.train import build_recurrence_schedule, resolve_model_args  # noqa: E402
+from titan_recur.train import build_recurrence_schedule  # noqa: E402
 
 DEFAULT_PRESET = "tinyllama-1.1b"
 # Flags that describe the run, and the config keys that take their place under --config.
@@ -231,18 +231,13 @@ def setup_from_config(path: str, overrides: list[str], world_size: int) -> Setup
     if m.path and m.preset and not Path(m.path).is_dir():
         args = PRESETS[m.preset].model_args(*m.shape)  # not converted yet: FLOPs need the shape only
     else:
-        args = resolve_model_args(cfg)
+        args = resolve_model_args(cfg.model)
     label = m.path or f"{m.preset} {shape_label(args)}"
-    per_micro_step = t.local_batch_size * world_size
-    sequences = t.global_batch_size or per_micro_step
-    if sequences % per_micro_step:
-        raise ValueError(
-            f"{path}: training.global_batch_size ({sequences}) is not a multiple of local_batch_size "
-            f"({t.local_batch_size}) x --world-size ({world_size})"
-        )
+    micro_steps = grad_accum_steps(t, world_size)
+    sequences = micro_steps * t.local_batch_size * world_size
     return Setup(
         f"{label} [{path}]", args, t.steps, build_recurrence_schedule(cfg), sequences * t.seq_len, t.seq_len,
-        sequences // per_micro_step, t.ac_mode, m.preset,
+        micro_steps, t.ac_mode, m.preset,
     )
 
 
