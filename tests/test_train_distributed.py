@@ -117,6 +117,14 @@ def test_core_is_one_fsdp_unit_collectives_independent_of_r(model_dir, tmp_path)
         assert phase["forward"].get("reduce_scatter", 0) == 0, (r, phase)
 
 
+def assert_no_recompile_after_warmup(compiled: dict) -> None:
+    """Once a step has run both kinds of iteration (no-grad, n > 0, and grad), no (n, k) compiles anything new."""
+    warm = next(i for i, (n, k) in enumerate(compiled["depths"]) if n > 0 and k > 0)
+    assert warm < len(compiled["depths"]) - 3, "the test needs steps after the warm-up"
+    counts = compiled["recompiles_per_step"]
+    assert counts[-1] == counts[warm], f"recompiles after warm-up step {warm + 1}: {counts}"
+
+
 def test_compiled_blocks_do_not_recompile_per_recurrence(model_dir, tmp_path):
     steps = "30"
     compiled_args, compiled_out = worker_args(
@@ -135,6 +143,7 @@ def test_compiled_blocks_do_not_recompile_per_recurrence(model_dir, tmp_path):
     assert compiled["depths"] == eager["depths"]
     # Graphs over all blocks: grad / no-grad variants, shared by blocks of the same kind.
     assert compiled["unique_graphs"] <= 3, compiled
+    assert_no_recompile_after_warmup(compiled)
     torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-4, atol=1e-5)
 
 
@@ -148,4 +157,5 @@ def test_compiled_blocks_under_fsdp_match_eager(model_dir, tmp_path):
     compiled, eager = json.loads(compiled_out.read_text()), json.loads(eager_out.read_text())
     assert compiled["depths"] == eager["depths"]
     assert compiled["unique_graphs"] <= 3, compiled
+    assert_no_recompile_after_warmup(compiled)
     torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-4, atol=1e-5)

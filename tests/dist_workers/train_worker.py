@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
 from collections import Counter
@@ -89,7 +90,7 @@ def run_steps(trainer: Trainer, args: argparse.Namespace) -> dict:
     return {"losses": [r["loss"] for r in records], "grads": grads, "params": params}
 
 
-def train_fixed_steps(trainer: Trainer, args: argparse.Namespace) -> list[dict]:
+def train_fixed_steps(trainer: Trainer, args: argparse.Namespace, after_step=lambda: None) -> list[dict]:
     """The trainer's own train_step on the fixed batches; returns each step's record."""
     rank, world = trainer.dist.rank, trainer.dist.world_size
     records = []
@@ -97,6 +98,7 @@ def train_fixed_steps(trainer: Trainer, args: argparse.Namespace) -> list[dict]:
     for step, micro in enumerate(batches, start=1):
         trainer.step = step
         records.append(trainer.train_step(iter(micro)))
+        after_step()
     return records
 
 
@@ -167,17 +169,33 @@ def run_collectives(trainer: Trainer, args: argparse.Namespace) -> dict:
     return results
 
 
+class RecompileLog(logging.Handler):
+    """Dynamo's recompile log (torch._logging recompiles=True): one record per recompilation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += record.getMessage().startswith("Recompiling function")
+
+
 def run_compile(trainer: Trainer, args: argparse.Namespace) -> dict:
+    """Per step: the depth, the loss and dynamo's recompiles so far (compiles after the first graph of a frame)."""
     from torch._dynamo.utils import counters
 
     counters.clear()
-    records = train_fixed_steps(trainer, args)
+    torch._logging.set_logs(recompiles=True)
+    log = RecompileLog()
+    logging.getLogger("torch._dynamo").addHandler(log)
+    records, recompiles = [], []
+    for record in train_fixed_steps(trainer, args, after_step=lambda: recompiles.append(log.count)):
+        records.append(record)
     return {
         "losses": [r["loss"] for r in records],
         "depths": [(r["n"], r["k"]) for r in records],
         "unique_graphs": counters["stats"]["unique_graphs"],
-        "frames": dict(counters["frames"]),
-        "recompiles": sum(v for k, v in counters["recompiles"].items()) if "recompiles" in counters else 0,
+        "recompiles_per_step": recompiles,
     }
 
 
