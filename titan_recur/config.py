@@ -121,7 +121,13 @@ class Recurrence:
     seed: int = opt(514229, "Seed of the iteration-count sampler (identical on every rank).")
     mean_offset: bool = opt(True, "Offset the sampler so that E[n + k] = r + 1, as the reference does.")
     backprop_curriculum: bool = opt(False, "Ramp backprop_depth up from backprop_start too.")
-    backprop_start: int = opt(1, "Backprop depth at step 0 when backprop_curriculum is on.")
+    backprop_curriculum_kind: Literal["interpolate", "linear"] = opt(
+        "interpolate",
+        "Backprop-depth ramp, read at update u (1-based) over W = backprop_warmup_fraction * steps: "
+        "'interpolate' = ceil(start + (backprop_depth - start) u / W), the reference's (from 2 at u = 1 "
+        "with start 1); 'linear' = max(start, ceil(backprop_depth u / W)).",
+    )
+    backprop_start: int = opt(1, "Backprop depth the ramp starts from (update 0) when backprop_curriculum is on.")
     backprop_warmup_fraction: float = opt(0.25, "Fraction of steps over which the backprop depth ramps up.")
 
 

@@ -38,7 +38,7 @@ from titan_recur.models.io import WEIGHTS_NAME, read_model_args, write_model_arg
 from titan_recur.models.model import RecurrentLM
 from titan_recur.optim import build_optimizers, clip_grad_norm
 from titan_recur.parallelize import build_dp_mesh, mixed_precision_policy, parallelize_model
-from titan_recur.recurrence import Curriculum, RecurrenceSampler, RecurrenceSchedule
+from titan_recur.recurrence import RecurrenceSchedule
 from titan_recur.tokenizer import check_vocab, load_tokenizer
 
 # Exit codes (docs/checkpointing.md). After SIGTERM/SIGUSR1 with the checkpoint written: Slurm scripts
@@ -142,7 +142,7 @@ class Trainer:
             )
         self.model = self._build_model()
         self.optimizers = build_optimizers(self.model, cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.schedule = build_recurrence_schedule(cfg)
+        self.schedule = RecurrenceSchedule.from_config(cfg.recurrence, cfg.training.steps)
         rows_per_step = cfg.training.local_batch_size * self.grad_accum
         self.dataloader = build_dataloader(
             cfg.data,
@@ -444,16 +444,6 @@ class TrainProgress:
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.skipped_steps = int(state["skipped_steps"])
-
-
-def build_recurrence_schedule(cfg: JobConfig) -> RecurrenceSchedule:
-    r, steps = cfg.recurrence, cfg.training.steps
-    mean = Curriculum(r.curriculum, r.mean_recurrence, steps, r.warmup_fraction, start=r.start)
-    depth: int | Curriculum = r.backprop_depth
-    if r.backprop_curriculum:
-        depth = Curriculum("linear", r.backprop_depth, steps, r.backprop_warmup_fraction, start=r.backprop_start)
-    sampler = RecurrenceSampler(sigma=r.sigma, seed=r.seed, mean_offset=r.mean_offset)
-    return RecurrenceSchedule(mean, depth, sampler)
 
 
 def load_initial_weights(model: RecurrentLM, cfg: JobConfig, args: ModelArgs, device: torch.device) -> None:
