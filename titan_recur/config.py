@@ -144,11 +144,13 @@ class Optimizer:
     ns_steps: int = opt(5, "Newton-Schulz iterations of Muon's orthogonalisation.")
     weight_decay: float = opt(1e-4, "Muon decoupled weight decay.")
     fuse_qkv: bool = opt(
-        False, "Orthogonalise q,k,v as one matrix and gate+up as one, like the reference."
+        False,
+        "Orthogonalise q,k,v as one matrix and gate+up as one, like the reference's recurrent models (its "
+        "static baselines keep HF's separate matrices: false).",
     )
     adamw_lr: float = opt(5e-5, "AdamW learning rate.")
     adamw_betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas.")
-    adamw_eps: float = opt(1e-8, "AdamW epsilon.")
+    adamw_eps: float = opt(1e-10, "AdamW epsilon; 1e-10 is the reference's (its Muon package's aux-Adam default).")
     adamw_weight_decay: float = opt(1e-4, "AdamW decoupled weight decay.")
 
 
