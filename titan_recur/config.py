@@ -95,6 +95,13 @@ class Training:
         "bfloat16", "Parameter dtype for FSDP compute; ignored on CPU, which always uses float32."
     )
     mixed_precision_reduce: Literal["float32", "bfloat16"] = opt("float32", "Gradient reduce-scatter dtype.")
+    mixed_precision_mode: Literal["fsdp", "autocast"] = opt(
+        "fsdp",
+        "How mixed_precision_param applies. 'fsdp': FSDP2 casts the parameters, so the whole residual stream "
+        "runs in it (skipped on CPU). 'autocast': fp32 parameters and torch.autocast(mixed_precision_param) "
+        "around the forward, as the reference does: matmuls in bf16, the prelude's residual stream and the "
+        "norms in fp32, closer logits; all-gathers move fp32, 2x the bytes (also on CPU). See docs/benchmarks.md.",
+    )
     compile: bool = opt(False, "Compile the model with torch.compile.")
     ac_mode: Literal["none", "full", "per_iteration"] = opt(
         "per_iteration",

@@ -37,7 +37,7 @@ from titan_recur.models.args import PRESETS, ModelArgs
 from titan_recur.models.io import WEIGHTS_NAME, read_model_args, write_model_args
 from titan_recur.models.model import RecurrentLM
 from titan_recur.optim import build_optimizers, clip_grad_norm
-from titan_recur.parallelize import build_dp_mesh, mixed_precision_policy, parallelize_model
+from titan_recur.parallelize import build_dp_mesh, forward_autocast, mixed_precision_policy, parallelize_model
 from titan_recur.recurrence import RecurrenceSchedule
 from titan_recur.tokenizer import check_vocab, load_tokenizer
 
@@ -191,7 +191,9 @@ class Trainer:
         t = self.cfg.training
         with torch.device("meta"):
             model = RecurrentLM(self.model_args)
-        mp_policy = mixed_precision_policy(self.dist.device.type, t.mixed_precision_param, t.mixed_precision_reduce)
+        mp_policy = mixed_precision_policy(
+            self.dist.device.type, t.mixed_precision_param, t.mixed_precision_reduce, t.mixed_precision_mode
+        )
         parallelize_model(model, self.mesh, ac_mode=t.ac_mode, compile_blocks=t.compile, mp_policy=mp_policy)
         model.to_empty(device=self.dist.device)
         load_initial_weights(model, self.cfg, self.model_args, self.dist.device)
@@ -324,7 +326,9 @@ class Trainer:
             depths.append((n, k))
             input_ids = batch["input_ids"].to(self.dist.device)
             labels = batch["labels"].to(self.dist.device)
-            logits = self.model(input_ids, (n, k))
+            t = cfg.training
+            with forward_autocast(self.dist.device.type, t.mixed_precision_param, t.mixed_precision_mode):
+                logits = self.model(input_ids, (n, k))
             token_loss_sum = torch.nn.functional.cross_entropy(
                 logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
             )
