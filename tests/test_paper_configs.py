@@ -24,7 +24,7 @@ from titan_recur.flops import TrainingRun, block_params, param_counts, training_
 from titan_recur.models.args import PRESETS
 from titan_recur.models.io import resolve_model_args, write_model_args
 from titan_recur.models.model import RecurrentLM
-from titan_recur.train import build_recurrence_schedule
+from titan_recur.recurrence import RecurrenceSchedule
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "train_configs"
@@ -253,7 +253,7 @@ def test_tinyllama_static_non_embedding_params():
 def paper_flops(name: str, *overrides: str) -> float:
     cfg = load(name, *preset_overrides(name), *overrides)
     tokens = cfg.training.global_batch_size * cfg.training.seq_len
-    run = TrainingRun(resolve_model_args(cfg.model), build_recurrence_schedule(cfg), tokens, cfg.training.seq_len)
+    run = TrainingRun(resolve_model_args(cfg.model), RecurrenceSchedule.from_config(cfg.recurrence, cfg.training.steps), tokens, cfg.training.seq_len)
     return run.cumulative_flops(cfg.training.steps, "paper")
 
 
@@ -312,7 +312,7 @@ def test_equal_flops_checkpoint(static):
     twin = TWINS[static]
     static_total = paper_flops(static)
     cfg = load(twin, *preset_overrides(twin))
-    run = TrainingRun(resolve_model_args(cfg.model), build_recurrence_schedule(cfg), TOKENS_PER_STEP, 1024)
+    run = TrainingRun(resolve_model_args(cfg.model), RecurrenceSchedule.from_config(cfg.recurrence, cfg.training.steps), TOKENS_PER_STEP, 1024)
     steps = run.steps_for_flops(static_total, "paper")
     assert 0 < steps < cfg.training.steps
     whole = math.floor(steps)

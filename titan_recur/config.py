@@ -99,6 +99,13 @@ class Training:
         "bfloat16", "Parameter dtype for FSDP compute; ignored on CPU, which always uses float32."
     )
     mixed_precision_reduce: Literal["float32", "bfloat16"] = opt("float32", "Gradient reduce-scatter dtype.")
+    mixed_precision_mode: Literal["fsdp", "autocast"] = opt(
+        "fsdp",
+        "How mixed_precision_param applies. 'fsdp': FSDP2 casts the parameters, so the whole residual stream "
+        "runs in it (skipped on CPU). 'autocast': fp32 parameters and torch.autocast(mixed_precision_param) "
+        "around the forward, as the reference does: matmuls in bf16, the prelude's residual stream and the "
+        "norms in fp32, closer logits; all-gathers move fp32, 2x the bytes (also on CPU). See docs/benchmarks.md.",
+    )
     compile: bool = opt(False, "Compile the model with torch.compile.")
     ac_mode: ACMode = opt(
         "per_iteration",
@@ -128,7 +135,13 @@ class Recurrence:
     seed: int = opt(514229, "Seed of the iteration-count sampler (identical on every rank).")
     mean_offset: bool = opt(True, "Offset the sampler so that E[n + k] = r + 1, as the reference does.")
     backprop_curriculum: bool = opt(False, "Ramp backprop_depth up from backprop_start too.")
-    backprop_start: int = opt(1, "Backprop depth at step 0 when backprop_curriculum is on.")
+    backprop_curriculum_kind: Literal["interpolate", "linear"] = opt(
+        "interpolate",
+        "Backprop-depth ramp, read at update u (1-based) over W = backprop_warmup_fraction * steps: "
+        "'interpolate' = ceil(start + (backprop_depth - start) u / W), the reference's (from 2 at u = 1 "
+        "with start 1); 'linear' = max(start, ceil(backprop_depth u / W)).",
+    )
+    backprop_start: int = opt(1, "Backprop depth the ramp starts from (update 0) when backprop_curriculum is on.")
     backprop_warmup_fraction: float = opt(0.25, "Fraction of steps over which the backprop depth ramps up.")
 
 
@@ -145,11 +158,13 @@ class Optimizer:
     ns_steps: int = opt(5, "Newton-Schulz iterations of Muon's orthogonalisation.")
     weight_decay: float = opt(1e-4, "Muon decoupled weight decay.")
     fuse_qkv: bool = opt(
-        False, "Orthogonalise q,k,v as one matrix and gate+up as one, like the reference."
+        False,
+        "Orthogonalise q,k,v as one matrix and gate+up as one, like the reference's recurrent models (its "
+        "static baselines keep HF's separate matrices: false).",
     )
     adamw_lr: float = opt(5e-5, "AdamW learning rate.")
     adamw_betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas.")
-    adamw_eps: float = opt(1e-8, "AdamW epsilon.")
+    adamw_eps: float = opt(1e-10, "AdamW epsilon; 1e-10 is the reference's (its Muon package's aux-Adam default).")
     adamw_weight_decay: float = opt(1e-4, "AdamW decoupled weight decay.")
 
 

@@ -10,6 +10,8 @@ Where a looped block breaks TorchTitan's assumptions:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -83,11 +85,34 @@ def apply_fsdp(model: RecurrentLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPo
     fully_shard(model, reshard_after_forward=False, **kwargs)
 
 
-def mixed_precision_policy(device_type: str, param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy | None:
-    """bf16 compute over fp32 master weights on accelerators; plain fp32 on CPU."""
+MIXED_PRECISION_MODES = ("fsdp", "autocast")
+
+
+def mixed_precision_policy(
+    device_type: str, param_dtype: str, reduce_dtype: str, mode: str = "fsdp"
+) -> MixedPrecisionPolicy | None:
+    """FSDP2's casts. "fsdp": compute in param_dtype over fp32 master weights, on accelerators only (plain
+    fp32 on CPU). "autocast": FSDP2 keeps fp32 parameters (and all-gathers fp32) and `forward_autocast`
+    lowers the matmuls instead."""
+    if mode not in MIXED_PRECISION_MODES:
+        raise ValueError(f"mixed precision mode must be one of {MIXED_PRECISION_MODES}, got {mode!r}")
     if device_type == "cpu":
         return None
-    return MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=getattr(torch, reduce_dtype))
+    compute = param_dtype if mode == "fsdp" else "float32"
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, compute), reduce_dtype=getattr(torch, reduce_dtype))
+
+
+def forward_autocast(device_type: str, param_dtype: str, mode: str) -> contextlib.AbstractContextManager:
+    """The context of the training forward: torch.autocast(param_dtype) in "autocast" mode, as the reference.
+
+    Linear layers then run in bf16 while values that never pass one (the embedding output, hence the
+    prelude's residual stream, and RMSNorm) stay fp32. CPU autocasts too, so the mode is testable there.
+    """
+    if mode not in MIXED_PRECISION_MODES:
+        raise ValueError(f"mixed precision mode must be one of {MIXED_PRECISION_MODES}, got {mode!r}")
+    if mode == "fsdp" or param_dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=getattr(torch, param_dtype))
 
 
 def parallelize_model(

@@ -41,8 +41,8 @@ from titan_recur.models.io import (
 from titan_recur.models.loss import count_labels, cross_entropy_sum
 from titan_recur.models.model import RecurrentLM
 from titan_recur.optim import build_optimizers, clip_coefficient, grad_square_sum, scale_grads_
-from titan_recur.parallelize import build_dp_mesh, mixed_precision_policy, parallelize_model
-from titan_recur.recurrence import Curriculum, RecurrenceSampler, RecurrenceSchedule
+from titan_recur.parallelize import build_dp_mesh, forward_autocast, mixed_precision_policy, parallelize_model
+from titan_recur.recurrence import RecurrenceSchedule
 from titan_recur.tokenizer import check_vocab, load_tokenizer
 from titan_recur.validation import Validator
 
@@ -120,7 +120,7 @@ class Trainer:
             )
         self.model = self._build_model()
         self.optimizers = build_optimizers(self.model, cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.schedule = build_recurrence_schedule(cfg)
+        self.schedule = RecurrenceSchedule.from_config(cfg.recurrence, cfg.training.steps)
         self.dataloader = build_dataloader(
             cfg.data,
             self.tokenizer,
@@ -157,7 +157,9 @@ class Trainer:
         t = self.cfg.training
         with torch.device("meta"):
             model = RecurrentLM(self.model_args)
-        mp_policy = mixed_precision_policy(self.dist.device.type, t.mixed_precision_param, t.mixed_precision_reduce)
+        mp_policy = mixed_precision_policy(
+            self.dist.device.type, t.mixed_precision_param, t.mixed_precision_reduce, t.mixed_precision_mode
+        )
         parallelize_model(model, self.mesh, ac_mode=t.ac_mode, compile_blocks=t.compile, mp_policy=mp_policy)
         model.to_empty(device=self.dist.device)
         load_initial_weights(model, self.cfg, self.model_args)
@@ -277,7 +279,10 @@ class Trainer:
         """
         input_ids = batch["input_ids"].to(self.dist.device, non_blocking=True)
         labels = batch["labels"].to(self.dist.device, non_blocking=True)
-        loss_sum = cross_entropy_sum(self.model(input_ids, (n, k)), labels)
+        t = self.cfg.training
+        with forward_autocast(self.dist.device.type, t.mixed_precision_param, t.mixed_precision_mode):
+            logits = self.model(input_ids, (n, k))
+        loss_sum = cross_entropy_sum(logits, labels)
         if self.step == self.cfg.training.inject_nan_at_step:
             loss_sum = loss_sum * float("nan")
         loss_sum.backward()
@@ -386,16 +391,6 @@ class TrainProgress:
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.skipped_steps = int(state["skipped_steps"])
-
-
-def build_recurrence_schedule(cfg: JobConfig) -> RecurrenceSchedule:
-    r, steps = cfg.recurrence, cfg.training.steps
-    mean = Curriculum(r.curriculum, r.mean_recurrence, steps, r.warmup_fraction, start=r.start)
-    depth: int | Curriculum = r.backprop_depth
-    if r.backprop_curriculum:
-        depth = Curriculum("linear", r.backprop_depth, steps, r.backprop_warmup_fraction, start=r.backprop_start)
-    sampler = RecurrenceSampler(sigma=r.sigma, seed=r.seed, mean_offset=r.mean_offset)
-    return RecurrenceSchedule(mean, depth, sampler)
 
 
 def load_initial_weights(model: RecurrentLM, cfg: JobConfig, args: ModelArgs) -> None:

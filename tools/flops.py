@@ -28,7 +28,6 @@ from titan_recur.flops import (  # noqa: E402
 from titan_recur.models.args import PRESETS, ModelArgs  # noqa: E402
 from titan_recur.models.io import read_model_args, resolve_model_args  # noqa: E402
 from titan_recur.recurrence import CURRICULUM_KINDS, Curriculum, RecurrenceSchedule  # noqa: E402
-from titan_recur.train import build_recurrence_schedule  # noqa: E402
 
 DEFAULT_PRESET = "tinyllama-1.1b"
 # Flags that describe the run, and the config keys that take their place under --config.
@@ -236,8 +235,8 @@ def setup_from_config(path: str, overrides: list[str], world_size: int) -> Setup
     micro_steps = grad_accum_steps(t, world_size)
     sequences = micro_steps * t.local_batch_size * world_size
     return Setup(
-        f"{label} [{path}]", args, t.steps, build_recurrence_schedule(cfg), sequences * t.seq_len, t.seq_len,
-        micro_steps, t.ac_mode, m.preset,
+        f"{label} [{path}]", args, t.steps, RecurrenceSchedule.from_config(cfg.recurrence, t.steps),
+        sequences * t.seq_len, t.seq_len, micro_steps, t.ac_mode, m.preset,
     )
 
 
