@@ -31,7 +31,6 @@ from titan_recur.models.io import (
     DTYPES as MODEL_DTYPES,
     WEIGHTS_NAME,
     check_output_folder,
-    read_model_args,
     savable_state_dict,
     write_atomically,
     write_model_folder,
@@ -232,7 +231,12 @@ def read_source(folder: str | Path) -> SourceModel:
     config_path = folder / CONFIG_NAME
     if not config_path.is_file():
         raise ConversionError(f"{config_path}: no such file (is {folder} an HF model folder?)")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConversionError(f"{config_path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{config_path}: not an HF config (a JSON object)")
     model_type = config.get("model_type")
     architecture = (config.get("architectures") or [_ARCHITECTURE_OF_MODEL_TYPE.get(model_type, model_type)])[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
@@ -308,7 +312,7 @@ class SourceWeights:
             weight_map = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
             self.files = {name: folder / file for name, file in weight_map.items()}
         elif (folder / WEIGHTS_NAME).is_file():
-            with safe_open(str(folder / WEIGHTS_NAME), framework="pt") as f:
+            with _open_safetensors(folder / WEIGHTS_NAME) as f:
                 self.files = dict.fromkeys(f.keys(), folder / WEIGHTS_NAME)
         else:
             raise ConversionError(
@@ -325,7 +329,7 @@ class SourceWeights:
     def _open(self, name: str) -> Any:
         file = self.files[name]
         if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="pt")
+            self._handles[file] = _open_safetensors(file)
         return self._handles[file]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -333,6 +337,13 @@ class SourceWeights:
 
     def get(self, name: str) -> torch.Tensor:
         return self._open(name).get_tensor(name)
+
+
+def _open_safetensors(file: Path) -> Any:
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as err:  # safetensors raises its own error types for truncated/corrupt files
+        raise ConversionError(f"{file}: unreadable safetensors file (truncated or corrupt?): {err}") from None
 
 
 # ---------------------------------------------------------------- conversion
@@ -398,18 +409,10 @@ def adapter_weight(dim: int, init: str, seed: int) -> torch.Tensor:
 
 
 def check_output(output: Path, force: bool, source: Path | None = None) -> None:
-    """Refuse to write into an existing non-empty folder, or with --force over anything but a model folder."""
+    """Refuse to write into an existing non-empty folder, or with --force over anything but a conversion."""
     if source is not None and output.resolve() == source.resolve():
         raise ConversionError(f"{output}: the output folder is the source folder")
-    check_output_folder(output, force, _not_a_model_folder, ConversionError)
-
-
-def _not_a_model_folder(folder: Path) -> str | None:
-    try:
-        read_model_args(folder)
-    except (OSError, ValueError, TypeError):
-        return "it is not a converted model folder"
-    return None
+    check_output_folder(output, force, "conversion", ConversionError)
 
 
 def convert(
@@ -443,7 +446,7 @@ def convert(
     state = _converted_state(weights, names, args, options)
     provenance = {"source": source_name or str(source.folder), "architecture": source.architecture,
                   "n_source_layers": source.n_layers, "options": dataclasses.asdict(options)}
-    write_atomically(output, lambda tmp: _write_folder(tmp, args, state, source.folder, provenance))
+    write_atomically(output, lambda tmp: _write_folder(tmp, args, state, source.folder, provenance), kind="conversion")
     return args
 
 

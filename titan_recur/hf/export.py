@@ -21,7 +21,6 @@ import torch
 from titan_recur.models.args import STATE_INITS, ModelArgs
 from titan_recur.models.io import (
     DTYPES,
-    WEIGHTS_NAME,
     check_output_folder,
     copy_tokenizer_files,
     savable_state_dict,
@@ -224,18 +223,10 @@ def export_hf(
         if not copy_tokenizer_files(Path(tokenizer_folder), folder):
             raise ExportError(f"{tokenizer_folder}: no tokenizer files to export")
 
-    write_atomically(output, write)
+    write_atomically(output, write, kind="hf_export")
     return output
 
 
 def _check_output(output: Path, force: bool) -> None:
     """Refuse a non-empty output folder; --force replaces only a previous HF export."""
-    check_output_folder(output, force, _not_an_export, ExportError)
-
-
-def _not_an_export(folder: Path) -> str | None:
-    config = folder / "config.json"
-    exported = config.is_file() and (folder / WEIGHTS_NAME).is_file()
-    if not (exported and "architectures" in json.loads(config.read_text())):
-        return "it is not an exported model folder"
-    return None
+    check_output_folder(output, force, "hf_export", ExportError)

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from titan_recur.models.args import PRESETS, ModelArgs
+from titan_recur.models.manifest import folder_kind, seal_folder, verify_folder
 from titan_recur.models.model import RecurrentLM
 
 if TYPE_CHECKING:  # the config schema; models never import it at run time
@@ -96,10 +97,11 @@ def load_state_dict_into(model: RecurrentLM, state: dict[str, torch.Tensor], sou
 
 
 def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a model folder's model.safetensors, with one-line errors."""
+    """The tensors of a model folder's model.safetensors, checked against its manifest; one-line errors."""
     weights = Path(folder) / WEIGHTS_NAME
     if not weights.is_file():
         raise FileNotFoundError(f"{weights}: no such file")
+    verify_folder(Path(folder), [CONFIG_NAME, WEIGHTS_NAME])  # the files a load reads
     try:
         return load_file(str(weights))
     except Exception as err:  # safetensors raises its own error types for truncated/corrupt files
@@ -123,15 +125,20 @@ def copy_tokenizer_files(source: Path, destination: Path) -> list[str]:
     return copied
 
 
-def check_output_folder(
-    output: Path,
-    force: bool,
-    replaceable: Callable[[Path], str | None],
-    error: type[Exception] = ValueError,
-) -> None:
-    """Refuse to write over a file or a non-empty folder; with force, over anything ``replaceable`` rejects.
+_KIND_NAMES = {
+    "conversion": "a conversion (made by tools/convert_hf.py)",
+    "trained": "a trained model (a run's final_model)",
+    "hf_export": "an HF export (made by tools/export_hf.py)",
+    "checkpoint": "a DCP checkpoint",
+    None: "a folder titan_recur did not write (no manifest.json naming its kind)",
+}
 
-    ``replaceable(folder)`` returns None when the tool may replace that folder, else why not.
+
+def check_output_folder(output: Path, force: bool, replaceable_kind: str, error: type[Exception] = ValueError) -> None:
+    """Refuse to write over a file or a non-empty folder; with force, only over a folder of ``replaceable_kind``.
+
+    The kind is the one its writer recorded (models/manifest.py): a tool replaces its own earlier
+    output, never a trained model, a checkpoint or a folder of unknown origin.
     """
     if output.exists() and not output.is_dir():
         raise error(f"{output} exists and is not a folder")
@@ -139,18 +146,25 @@ def check_output_folder(
         return
     if not force:
         raise error(f"{output} exists and is not empty; pass --force to overwrite it")
-    refusal = replaceable(output)
-    if refusal is not None:
-        raise error(f"refusing to overwrite {output} with --force: {refusal}")
+    kind = folder_kind(output)
+    if kind != replaceable_kind:
+        raise error(
+            f"refusing to overwrite {output} with --force: it is {_KIND_NAMES[kind]}; --force replaces only "
+            f"{_KIND_NAMES[replaceable_kind]}"
+        )
 
 
-def write_atomically(output: Path, write: Callable[[Path], None]) -> None:
-    """Build the folder beside OUTPUT, then swap it in by rename; on failure remove the partial folder."""
+def write_atomically(output: Path, write: Callable[[Path], None], *, kind: str) -> None:
+    """Build the folder beside OUTPUT, seal it (manifest of ``kind``), then swap it in by rename.
+
+    On failure the partial folder is removed and OUTPUT is left as it was.
+    """
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
     try:
         tmp.chmod(0o755)
         write(tmp)
+        seal_folder(tmp, kind)
         if output.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=output.parent))
             output.replace(old / output.name)

@@ -1,0 +1,108 @@
+"""manifest.json: what kind of folder titan_recur wrote, and the size and checksum of each of its files.
+
+Every writer puts it into its folder last, just before the folder appears by rename: a conversion
+(tools/convert_hf.py), a run's final model, an HF export (tools/export_hf.py) and each DCP
+checkpoint step. Readers check the files against it (a flipped byte, a truncated copy); tools that
+replace a folder with ``--force`` replace only their own kind (:func:`folder_kind`).
+
+Checksums are xxh3-128 (non-cryptographic: they detect corruption, not tampering), measured at
+~2.5 GB/s on one core here against ~0.44 GB/s for sha256 (``tools/bench_checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+MANIFEST_NAME = "manifest.json"
+CHECKSUM = "xxh3_128"
+# conversion: tools/convert_hf.py; trained: a run's final_model/; hf_export: tools/export_hf.py;
+# checkpoint: a DCP step folder of a run.
+FOLDER_KINDS = ("conversion", "trained", "hf_export", "checkpoint")
+DCP_METADATA = ".metadata"
+_CHUNK = 8 << 20
+
+
+class IntegrityError(ValueError):
+    """A file that does not match its folder's manifest; the message is one line naming the file."""
+
+
+def file_checksum(path: Path) -> str:
+    digest, buffer = xxhash.xxh3_128(), bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while size := f.readinto(buffer):
+            digest.update(view[:size])
+    return digest.hexdigest()
+
+
+def describe_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """{name: {"bytes": size, CHECKSUM: digest}} of the given files of ``folder``."""
+    return {name: {"bytes": (folder / name).stat().st_size, CHECKSUM: file_checksum(folder / name)} for name in names}
+
+
+def write_manifest(folder: Path, kind: str, files: dict[str, dict[str, Any]], **fields: Any) -> None:
+    """Write manifest.json (flushed to disk, so the rename that publishes the folder comes after it)."""
+    if kind not in FOLDER_KINDS:
+        raise ValueError(f"unknown folder kind {kind!r}; known: {FOLDER_KINDS}")
+    text = json.dumps({"kind": kind, "checksum": CHECKSUM, **fields, "files": files}, indent=1) + "\n"
+    with open(folder / MANIFEST_NAME, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def seal_folder(folder: Path, kind: str) -> None:
+    """The manifest of every file in ``folder`` (a model folder, flat), written last."""
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_NAME)
+    write_manifest(folder, kind, describe_files(folder, names))
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    """The folder's manifest, or None when it has none; an unreadable one is an IntegrityError."""
+    path = Path(folder) / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise IntegrityError(f"{path}: unreadable manifest (truncated or corrupt?): {err}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise IntegrityError(f"{path}: not a titan_recur manifest (no 'files')")
+    return manifest
+
+
+def folder_kind(folder: Path) -> str | None:
+    """What wrote ``folder``: its manifest's kind, "checkpoint" for any DCP folder, else None (unknown)."""
+    try:
+        manifest = read_manifest(folder)
+    except IntegrityError:
+        manifest = None
+    if manifest is not None and manifest.get("kind") in FOLDER_KINDS:
+        return manifest["kind"]
+    return "checkpoint" if (Path(folder) / DCP_METADATA).is_file() else None
+
+
+def check_files(folder: Path, files: dict[str, dict[str, Any]], names: list[str], checksums: bool) -> None:
+    """Each named file exists with its recorded size (and, with ``checksums``, its recorded checksum)."""
+    for name in names:
+        path, entry = Path(folder) / name, files[name]
+        if not path.is_file():
+            raise IntegrityError(f"{path}: missing (listed in {MANIFEST_NAME})")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            recorded = entry["bytes"]
+            raise IntegrityError(f"{path}: {size} bytes, {MANIFEST_NAME} records {recorded} (truncated or corrupt)")
+        if checksums and file_checksum(path) != entry[CHECKSUM]:
+            raise IntegrityError(f"{path}: checksum mismatch with {MANIFEST_NAME} (corrupt file)")
+
+
+def verify_folder(folder: Path, names: list[str]) -> None:
+    """Check the named files of a model folder against its manifest (those it lists); no manifest: no check."""
+    manifest = read_manifest(folder)
+    if manifest is not None:
+        check_files(folder, manifest["files"], [n for n in names if n in manifest["files"]], checksums=True)
