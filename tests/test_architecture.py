@@ -13,7 +13,7 @@ PACKAGE = REPO / "titan_recur"
 LAYER = {
     "models": 0,
     "config": 1,
-    "tokenizer": 2, "recurrence": 2, "checkpoint": 2,
+    "tokenizer": 2, "recurrence": 2, "checkpoint": 2, "fingerprint": 2, "watchdog": 2,
     "data": 3, "flops": 3, "optim": 3,
     "surgery": 4, "parallelize": 4,
     "metrics": 5, "eval": 5,

@@ -30,6 +30,9 @@ from titan_recur.models.args import PRESETS
 # Activation checkpointing modes of the parallelize recipe (their FLOP cost is in titan_recur.flops).
 ACMode = Literal["none", "full", "per_iteration"]
 AC_MODES: tuple[str, ...] = get_args(ACMode)
+# Fingerprint fields whose change on resume is safe by design (titan_recur.fingerprint; docs/checkpointing.md).
+AllowedChange = Literal["steps", "seq_len", "global_batch_size", "recurrence", "data"]
+ALLOWED_CHANGES: tuple[str, ...] = get_args(AllowedChange)
 
 _CLI = "command line"
 _TRUE = ("true", "1", "yes")
@@ -112,10 +115,26 @@ class Training:
         "Activation checkpointing: 'full' = every block incl. each core iteration; 'per_iteration' = "
         "each grad-carrying core iteration plus prelude/coda blocks; 'none' = off.",
     )
-    skip_nonfinite: bool = opt(False, "Skip optimizer steps whose loss or grad norm is not finite.")
+    skip_nonfinite: bool = opt(
+        False, "Skip optimizer steps whose loss or grad norm is not finite (or is a loss spike); else stop."
+    )
     max_skipped_steps: int = opt(10, "Abort the run once more than this many steps were skipped.")
+    loss_spike_factor: float = opt(
+        0.0,
+        "Treat a step whose loss exceeds this multiple of the median loss of the previous loss_spike_window "
+        "steps like a non-finite one (not applied; skipped or stopped, see skip_nonfinite); 0 = off.",
+    )
+    loss_spike_window: int = opt(50, "Steps of loss history the spike guard takes the median of (it acts once full).")
+    step_timeout_s: float = opt(
+        300.0,
+        "End the job (exit 4) with one line when a step, with the validation and checkpoint save at its end, "
+        "takes longer than this on any rank; the first step of a launch gets 3x (compilation); 0 = off.",
+    )
     inject_nan_at_step: int = opt(
         0, "Debug: make the loss of this step NaN, to exercise the non-finite guard end to end; 0 = off."
+    )
+    inject_spike_at_step: int = opt(
+        0, "Debug: multiply the loss of this step by 1000, to exercise the loss-spike guard end to end; 0 = off."
     )
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "'auto' = cuda when available, else cpu.")
 
@@ -184,6 +203,11 @@ class Parallel:
 
     dp_replicate: int = opt(1, "Number of HSDP replicas.")
     dp_shard: int = opt(-1, "FSDP shard group size; -1 = the rest of the world.")
+    timeout_s: float = opt(
+        600.0,
+        "Process-group timeout: a collective (a step's reduction, a checkpoint save, validation) waiting longer "
+        "than this for another rank fails, and the job exits 4 (torch's default is 30 min).",
+    )
 
 
 @dataclass
@@ -198,6 +222,21 @@ class Checkpoint:
     initial_load_path: str | None = opt(None, "Checkpoint to start from when the run has none of its own.")
     async_mode: Literal["disabled", "async"] = opt("disabled", "Save checkpoints in the background.")
     export_final: bool = opt(True, "Export the final model when training ends.")
+    verify: bool = opt(
+        True,
+        "Check every file of the checkpoint to resume from against the checksums of its manifest.json; false "
+        "checks sizes only (and loads a checkpoint without a manifest).",
+    )
+    fallback_on_corruption: bool = opt(
+        False,
+        "When the latest checkpoint fails verification, resume from the newest one that passes (the corrupt "
+        "ones are moved to abandoned/); false stops with an error naming it.",
+    )
+    allow_changes: list[AllowedChange] = opt(
+        [],
+        "Settings that may differ from the checkpoint's on resume (steps, seq_len, global_batch_size, recurrence, "
+        "data); any other change is refused. docs/checkpointing.md says what each change does.",
+    )
 
 
 @dataclass
@@ -521,7 +560,10 @@ _AT_LEAST = {
     "training.local_batch_size": 1,
     "training.seq_len": 1,
     "training.max_skipped_steps": 0,
+    "training.loss_spike_window": 3,
+    "training.step_timeout_s": 0,
     "training.inject_nan_at_step": 0,
+    "training.inject_spike_at_step": 0,
     "recurrence.start": 1,
     "recurrence.backprop_depth": 1,
     "recurrence.backprop_start": 1,
@@ -538,7 +580,7 @@ _AT_LEAST = {
     "validation.steps": 1,
     "metrics.log_freq": 1,
 }
-_POSITIVE = ("training.max_norm", "optimizer.lr", "optimizer.adamw_lr", "optimizer.adamw_eps")
+_POSITIVE = ("training.max_norm", "optimizer.lr", "optimizer.adamw_lr", "optimizer.adamw_eps", "parallel.timeout_s")
 _FRACTIONS = (
     "recurrence.warmup_fraction",
     "recurrence.backprop_warmup_fraction",
@@ -626,12 +668,28 @@ def validate(cfg: JobConfig) -> None:
     )
     dp_shard = cfg.parallel.dp_shard
     _require(dp_shard == -1 or dp_shard >= 1, f"parallel.dp_shard must be -1 or >= 1, got {dp_shard}")
+    spike = t.loss_spike_factor
+    _require(spike == 0 or spike > 1, f"training.loss_spike_factor must be 0 (off) or > 1, got {spike}")
     recurrences = cfg.validation.recurrences
     _require(all(n >= 1 for n in recurrences), f"validation.recurrences must all be >= 1, got {recurrences}")
     peak = cfg.metrics.peak_flops
     _require(peak is None or peak > 0, f"metrics.peak_flops must be > 0, got {peak}")
     _validate_model(cfg.model)
     _validate_data(cfg.data)
+
+
+def dp_degrees(world_size: int, dp_replicate: int, dp_shard: int) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) of the data-parallel mesh of ``world_size`` ranks; checked for one process too."""
+    if dp_shard == -1:
+        if world_size % dp_replicate:
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.dp_replicate={dp_replicate}")
+        dp_shard = world_size // dp_replicate
+    if dp_replicate * dp_shard != world_size:
+        raise ConfigError(
+            f"parallel.dp_replicate ({dp_replicate}) x parallel.dp_shard ({dp_shard}) = "
+            f"{dp_replicate * dp_shard} does not match the world size {world_size}"
+        )
+    return dp_replicate, dp_shard
 
 
 def grad_accum_steps(t: Training, dp_world: int | None) -> int:

@@ -19,7 +19,9 @@ from __future__ import annotations
 import bisect
 import glob
 import hashlib
+import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,6 +46,14 @@ TOKENS_COLUMN = "input_ids"
 _SPLITS = ("train", "validation")
 _DOCS_PER_READ = 64  # documents per datasets batch (the resume point is the start of a batch)
 _STATE_KEY = "titan_recur_packed_dataset"
+# Start-up checks read at most this many documents of a source looking for a non-blank one, and at most
+# _HELD_OUT_SCAN (or 50 / validation_fraction, whichever is less) looking for a held-out one.
+_FIRST_DOC_SCAN = 10_000
+_HELD_OUT_SCAN = 200_000
+
+
+class DataError(ValueError):
+    """Data that cannot be trained on, found while reading it; one line for the user."""
 
 
 def _source_key(s: DataSource) -> str:
@@ -67,9 +77,15 @@ def open_source(s: DataSource) -> datasets.IterableDataset:
     """A streaming ``datasets`` reader of one source, reduced to its text (or input_ids) column."""
     # An early-closed parquet stream otherwise sleeps 5 s in datasets' thread shutdown.
     datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0
+    # The json builder logs every parse error on its own line; read_error() says it in ours.
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     try:
         if s.kind == "hf":
-            ds = datasets.load_dataset(s.path, name=s.hf_config, split=s.split, streaming=True)
+            try:
+                ds = datasets.load_dataset(s.path, name=s.hf_config, split=s.split, streaming=True)
+            except (OSError, ValueError, FileNotFoundError) as err:  # offline, no such dataset, no such split
+                raise ValueError(f"data source {s.name or s.path!r}: cannot open hub dataset {s.path!r}: "
+                                 f"{type(err).__name__}: {_first_line(err)}") from None
         else:
             kwargs = {"sample_by": s.sample_by} if s.kind == "text" else {}
             files = _source_files(s)
@@ -95,6 +111,49 @@ def _held_out(doc: str | list[int], fraction: float) -> bool:
 def is_empty(doc: str | None) -> bool:
     """Blank paragraphs/lines and missing fields are skipped: they would only add BOS/EOS."""
     return doc is None or not doc.strip()
+
+
+def check_text(doc: Any, s: DataSource) -> None:
+    """A text field must hold strings (a number or a list would only fail later, inside the tokenizer)."""
+    if doc is not None and not isinstance(doc, str):
+        raise DataError(
+            f"data source {s.name or s.path!r}: field {s.text_field!r} holds {type(doc).__name__} "
+            f"{str(doc)[:40]!r}, not text"
+        )
+
+
+def check_token_ids(row: list[int], vocab_size: int, where: str) -> None:
+    """Pre-tokenized ids must be ids of this run's tokenizer (beyond the embedding they crash the step)."""
+    low, high = min(row), max(row)
+    if low < 0 or high >= vocab_size:
+        raise DataError(
+            f"{where}: token id {high if high >= vocab_size else low} outside the tokenizer's vocabulary "
+            f"[0, {vocab_size}) (prepared with another tokenizer?)"
+        )
+
+
+def read_error(s: DataSource, err: Exception) -> DataError:
+    """One line for a source that cannot be read; a JSON error names the file and line."""
+    where = _bad_json_line(_source_files(s)) if s.kind == "jsonl" else None
+    return DataError(f"data source {s.name or s.path!r}: {where or f'{type(err).__name__}: {_first_line(err)}'}")
+
+
+def _bad_json_line(files: list[str]) -> str | None:
+    """'file:line: invalid JSON (...)' for the first line of the files that is not a JSON document."""
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    json.loads(line.rstrip("\n"))
+                except json.JSONDecodeError as err:
+                    return f"{path}:{number}: invalid JSON ({err.msg}, column {err.colno})"
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0]
 
 
 def encode_document(tokenizer: Tokenizer, doc: str) -> list[int]:
@@ -143,10 +202,12 @@ class _SourceStream:
             self._open()
         try:
             batch = next(self.batches)
+        except (ValueError, OSError) as err:  # e.g. a JSON parse error further into a file
+            raise read_error(self.source, err) from None
         except StopIteration:
             if self.epoch_docs == 0:
                 split = "validation" if self.reader.validation else "train"
-                raise ValueError(
+                raise DataError(
                     f"data source {self.name!r}: no {split} documents for reader {self.reader.index} of "
                     f"{self.reader.count} (empty dataset, or fewer documents/files than ranks x workers)"
                 ) from None
@@ -163,8 +224,10 @@ class _SourceStream:
                 self._fetch()
             doc = self.docs[self.pos]
             self.pos += 1
-            if self.source.kind != "tokenized" and is_empty(doc):
-                continue
+            if self.source.kind != "tokenized":
+                check_text(doc, self.source)
+                if is_empty(doc):
+                    continue
             if _held_out(doc, self.reader.validation_fraction) == self.reader.validation:
                 self.epoch_docs += 1
                 return doc
@@ -173,10 +236,11 @@ class _SourceStream:
         if self.source.kind == "tokenized":
             row = self._next_doc()
             if len(row) != self.row_len:
-                raise ValueError(
+                raise DataError(
                     f"data source {self.name!r}: pre-tokenized row of {len(row)} tokens, expected "
                     f"seq_len + 1 = {self.row_len} (re-run tools/prepare_data.py with this seq_len)"
                 )
+            check_token_ids(row, self.tokenizer.vocab_size, f"data source {self.name!r}")
             return row
         while len(self.buffer) - self.offset < self.row_len:
             ids = encode_document(self.tokenizer, self._next_doc())
@@ -315,9 +379,12 @@ class PackedDataset(IterableDataset):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        unknown = set(state["streams"]) - set(self.sources)
-        if unknown:
-            raise ValueError(f"data state has sources {sorted(unknown)} that the data config no longer has")
+        """Resume the streams; those of sources the config no longer has are dropped (the trainer allows
+        that only with checkpoint.allow_changes data), new sources start from their beginning."""
+        removed = sorted(set(state["streams"]) - set(self.sources))
+        if removed:
+            logger.warning(f"data: dropping the positions of sources no longer configured: {removed}")
+            state = {**state, "streams": {k: v for k, v in state["streams"].items() if k in self.sources}}
         self._pending = state
 
 
@@ -422,41 +489,78 @@ def _all_sources(cfg: Data) -> list[DataSource]:
     return list({_source_key(s): s for _, sources in _phases(cfg, "train") for s in sources}.values())
 
 
-def _check_tokenized_files(s: DataSource, seq_len: int) -> None:
-    """Row lengths of the first row group of each pre-tokenized file (cheap, catches a wrong seq_len)."""
+def _check_tokenized_files(s: DataSource, seq_len: int, vocab_size: int) -> None:
+    """Row lengths and id range of the first row group of each pre-tokenized file (cheap, catches a wrong
+    seq_len or tokenizer)."""
     for path in _source_files(s):
         f = pq.ParquetFile(path)
         if TOKENS_COLUMN not in f.schema_arrow.names:
             raise ValueError(f"{path}: no {TOKENS_COLUMN!r} column (columns: {f.schema_arrow.names})")
         if f.num_row_groups == 0:
             continue
-        lengths = pc.unique(pc.list_value_length(f.read_row_group(0, columns=[TOKENS_COLUMN])[TOKENS_COLUMN]))
+        rows = f.read_row_group(0, columns=[TOKENS_COLUMN])[TOKENS_COLUMN]
+        lengths = pc.unique(pc.list_value_length(rows))
         bad = [n for n in lengths.to_pylist() if n != seq_len + 1]
         if bad:
             raise ValueError(f"{path}: pre-tokenized rows of {bad[0]} tokens, expected seq_len + 1 = {seq_len + 1}")
+        ids = pc.min_max(pc.list_flatten(rows)).as_py()
+        if ids["min"] is not None:
+            check_token_ids([ids["min"], ids["max"]], vocab_size, path)
 
 
-def _check_source(s: DataSource, seq_len: int) -> None:
-    """Open a source and read its first document: missing files, empty data and absent fields fail here."""
+def _first_documents(s: DataSource) -> Iterator[Any]:
+    """The documents of a source from its start; a source that cannot be read is one line."""
+    name, column = s.name or s.path, _column(s)
+    rows = iter(open_source(s))
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except KeyError as err:  # select_columns on a missing column fails lazily
+            raise ValueError(f"data source {name!r}: field {column!r} not found in {s.path} ({err})") from None
+        except (ValueError, OSError) as err:
+            raise read_error(s, err) from None
+        if column not in row:
+            raise ValueError(f"data source {name!r}: field {column!r} not found in {s.path}")
+        yield row[column]
+
+
+def _check_source(s: DataSource, seq_len: int, vocab_size: int, validation_fraction: float | None) -> None:
+    """Open a source and read up to its first usable document: missing files, empty or unreadable data,
+    absent or non-text fields, and all-blank documents fail here; with ``validation_fraction``, also a
+    source without a held-out document (checked within a bound)."""
     name = s.name or s.path
     if s.kind == "tokenized":
-        _check_tokenized_files(s, seq_len)
-    ds = open_source(s)
-    try:
-        first = next(iter(ds))
-    except StopIteration:
-        raise ValueError(f"data source {name!r}: empty dataset ({s.path})") from None
-    except (KeyError, ValueError) as e:  # select_columns on a missing column fails lazily
-        raise ValueError(f"data source {name!r}: field {_column(s)!r} not found in {s.path} ({e})") from None
-    if _column(s) not in first:
-        raise ValueError(f"data source {name!r}: field {_column(s)!r} not found in {s.path}")
+        _check_tokenized_files(s, seq_len, vocab_size)
+    usable, seen = False, 0
+    held_out_scan = 0 if validation_fraction is None else min(_HELD_OUT_SCAN, math.ceil(50 / validation_fraction))
+    for seen, doc in enumerate(_first_documents(s), 1):
+        if s.kind != "tokenized":
+            check_text(doc, s)
+        if s.kind == "tokenized" or not is_empty(doc):
+            usable = True
+            if validation_fraction is None or _held_out(doc, validation_fraction):
+                return
+        if seen >= (held_out_scan if usable else _FIRST_DOC_SCAN):
+            break
+    if seen == 0:
+        raise ValueError(f"data source {name!r}: empty dataset ({s.path})")
+    if not usable:
+        raise ValueError(f"data source {name!r}: the first {seen} documents are all blank ({s.path})")
+    raise ValueError(
+        f"data source {name!r}: no held-out document in its first {seen} documents (data.validation_fraction = "
+        f"{validation_fraction}): validation would have nothing to read"
+    )
 
 
-def check_data_config(cfg_data: Data, tokenizer: Tokenizer, seq_len: int) -> None:
-    """Fail before training, with one line, on data the run could not use."""
+def check_data_config(cfg_data: Data, tokenizer: Tokenizer, seq_len: int, validation: bool = False) -> None:
+    """Fail before training, with one line, on data the run could not use (``validation``: also for it)."""
     for start, sources in _phases(cfg_data, "train"):
         total = sum(s.weight for s in sources)
         if not total > 0:
             raise ValueError(f"data phase at step {start}: weights must sum to a positive number, got {total}")
+    held_out = {_source_key(s) for s in _phases(cfg_data, "validation")[0][1]} if validation else set()
     for s in _all_sources(cfg_data):
-        _check_source(s, seq_len)
+        fraction = cfg_data.validation_fraction if _source_key(s) in held_out else None
+        _check_source(s, seq_len, tokenizer.vocab_size, fraction)

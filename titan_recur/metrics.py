@@ -54,7 +54,11 @@ class StepWindow:
 
 
 class MetricsLogger:
-    """Writes each record to console, TensorBoard and JSON lines; no-ops on ranks other than 0."""
+    """Writes each record to console, TensorBoard and JSON lines; no-ops on ranks other than 0.
+
+    Nothing touches the disk before :meth:`open`, which the trainer calls once every input has been
+    checked (a run that fails on bad input leaves no event file behind).
+    """
 
     def __init__(
         self,
@@ -66,20 +70,23 @@ class MetricsLogger:
         peak_flops: float | None = None,
     ) -> None:
         self.enabled = enabled
+        self.dump_folder = Path(dump_folder)
+        self.tensorboard, self.jsonl = tensorboard, jsonl
         self.peak_flops = peak_flops
         self.window = StepWindow()
         self.writer = None
         self.jsonl_file = None
-        if not enabled:
+
+    def open(self) -> None:
+        if not self.enabled:
             return
-        dump_folder = Path(dump_folder)
-        dump_folder.mkdir(parents=True, exist_ok=True)
-        if tensorboard:
+        self.dump_folder.mkdir(parents=True, exist_ok=True)
+        if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(dump_folder / "tb"))
-        if jsonl:
-            self.jsonl_file = open(dump_folder / "metrics.jsonl", "a", buffering=1)
+            self.writer = SummaryWriter(log_dir=str(self.dump_folder / "tb"))
+        if self.jsonl:
+            self.jsonl_file = open(self.dump_folder / "metrics.jsonl", "a", buffering=1)
 
     def log_window(self, record: dict[str, Any], device: torch.device) -> dict[str, Any]:
         """Complete a step record with the window's figures and peak memory, log it, open a new window."""

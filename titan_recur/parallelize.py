@@ -18,21 +18,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from titan_recur.config import AC_MODES
+from titan_recur.config import AC_MODES, dp_degrees
 from titan_recur.models.model import RecurrentLM
 
 
 def build_dp_mesh(device_type: str, world_size: int, dp_replicate: int, dp_shard: int) -> DeviceMesh:
     """1-D mesh for FSDP, 2-D (dp_replicate, dp_shard) for HSDP; dp_shard=-1 takes the rest of the world."""
-    if dp_shard == -1:
-        if world_size % dp_replicate:
-            raise ValueError(f"world size {world_size} is not divisible by parallel.dp_replicate={dp_replicate}")
-        dp_shard = world_size // dp_replicate
-    if dp_replicate * dp_shard != world_size:
-        raise ValueError(
-            f"parallel.dp_replicate ({dp_replicate}) x parallel.dp_shard ({dp_shard}) = "
-            f"{dp_replicate * dp_shard} does not match the world size {world_size}"
-        )
+    dp_replicate, dp_shard = dp_degrees(world_size, dp_replicate, dp_shard)
     if dp_replicate == 1:
         return init_device_mesh(device_type, (dp_shard,), mesh_dim_names=("dp_shard",))
     return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))

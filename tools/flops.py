@@ -78,6 +78,10 @@ only (norms and elementwise ops excluded) and attention over the full T x T squa
 """
 
 
+# The FLOPs of a run are summed step by step (each step has its own mean recurrence): ~1 min per 10^6 steps.
+MAX_STEPS = 1_000_000
+
+
 class Parser(argparse.ArgumentParser):
     """Errors as one line on stderr, exit status 2."""
 
@@ -242,6 +246,8 @@ def setup_from_config(path: str, overrides: list[str], world_size: int) -> Setup
 
 def resolve_flags(ns: argparse.Namespace, extra: list[str]) -> Setup:
     """The run described on the command line: a config (+ overrides) or the schedule flags."""
+    if ns.world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {ns.world_size}")
     if ns.config:
         given = [f"--{k.replace('_', '-')}" for k in SCHEDULE_FLAGS if getattr(ns, k) is not None]
         if given:
@@ -282,8 +288,10 @@ def static_of(base: Setup) -> Setup | None:
 def report(ns: argparse.Namespace, setup: Setup) -> dict:
     """Every number the tool prints, as one JSON-able dict."""
     at_step = setup.steps if ns.at_step is None else ns.at_step
-    if at_step < 0:
-        raise ValueError(f"--at-step must be >= 0, got {at_step}")
+    if not 1 <= setup.steps <= MAX_STEPS:
+        raise ValueError(f"steps must be in [1, {MAX_STEPS:,}] (FLOPs are summed step by step), got {setup.steps}")
+    if not 0 <= at_step <= setup.steps:
+        raise ValueError(f"--at-step must be in [0, {setup.steps}] (the run's steps), got {at_step}")
     num_steps = parse_pair(ns.num_steps, "--num-steps", 2) if ns.num_steps else setup.final_num_steps()
     other = resolve_other(ns.match, setup, ns.world_size) if ns.match else None
     per_token = training_flops_per_token(setup.args, num_steps, setup.seq_len, setup.ac_mode)

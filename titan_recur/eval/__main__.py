@@ -34,6 +34,12 @@ def parse_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def check_out(out: Path) -> None:
+    """Before any work: an --out that is an existing file would fail only when the results are written."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m titan_recur.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -92,6 +98,10 @@ def run_loss(args: argparse.Namespace) -> None:
     from titan_recur.tokenizer import check_vocab, load_tokenizer
 
     recurrences = check_recurrences(args.recurrences)
+    check_out(args.out)
+    for name in ("seq_len", "batches", "batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     seq_len = args.seq_len or (load_config(args.config).training.seq_len if args.config else 1024)
     device = resolve_device(args.device)
     model = load_checkpoint(args.checkpoint, args.model_config, device=device, dtype=args.dtype)
@@ -119,6 +129,7 @@ def run_harness(args: argparse.Namespace) -> None:
     from titan_recur.eval.harness import check_tasks, harness_sweep, markdown_table, results_table, write_results
     from titan_recur.eval.lm_eval_model import TitanRecurLM
 
+    check_out(args.out)
     task_manager = TaskManager(include_path=[str(p) for p in (PROJECT_TASKS, *args.include_path)])
     tasks = check_tasks([t for t in args.tasks.split(",") if t], task_manager)  # before the (slow) model load
     try:
