@@ -1,11 +1,15 @@
 """Runs single-process training jobs back to back in one interpreter (imports cost seconds per process).
 
 Usage: ckpt_worker.py JOBS.json RESULTS.json. JOBS is a list of {"argv": [...], "watch": PATH,
-"truncate": PATH, "resume_only": PATH}. Each job calls titan_recur.train.main(argv) and records its exit
-code (None if it raised), stdout and stderr. "truncate" first cuts that
-file to half its size; "watch" records {relative path: [size, mtime_ns]} of everything under PATH before
-and after the job; "resume_only" instead builds the Trainer, calls resume() and saves the step, the
-model parameters and the optimizer state sizes to that path.
+"copy": [SRC, DST], "truncate": PATH, "flip_byte": PATH, "fill": {"file", "leave_like", "factor"},
+"unlink": [PATH, ...], "resume_only": PATH}. Each job calls titan_recur.train.main(argv) and records its exit
+code (None if it raised), stdout and stderr. Before it, in this order: "copy" copies a folder tree;
+"unlink" removes files; "truncate" cuts that file to half its size; "flip_byte" inverts the bits
+of its middle byte; "fill" writes zeros into "file" until its file system has only "factor" times the
+size of the folder "leave_like" left (0 or no "leave_like": until it is full). "watch" records
+{relative path: [size, mtime_ns]} of everything under PATH before and after the job; "resume_only"
+instead builds the Trainer, calls resume() and saves the step, the model parameters and the optimizer
+state sizes to that path.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -41,13 +47,39 @@ def resume_only(argv: list[str], out: str) -> int:
     return 0
 
 
+def fill(file: str, leave_like: str | None = None, factor: float = 0.0) -> None:
+    """Zeros into ``file`` until only ``factor`` x the size of the folder ``leave_like`` is free."""
+    leave = int(factor * sum(p.stat().st_size for p in Path(leave_like).rglob("*") if p.is_file())) if leave_like else 0
+    stat = os.statvfs(Path(file).parent)
+    size = max(stat.f_bavail * stat.f_frsize - leave, 0)
+    with open(file, "wb", buffering=0) as f:
+        with contextlib.suppress(OSError):  # full
+            while size > 0:
+                size -= f.write(b"\0" * min(size, 1 << 20))
+
+
+def prepare(job: dict) -> None:
+    if job.get("copy"):
+        shutil.copytree(*job["copy"])
+    for path in job.get("unlink", []):
+        Path(path).unlink()
+    if job.get("truncate"):
+        path = Path(job["truncate"])
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    if job.get("flip_byte"):
+        path = Path(job["flip_byte"])
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    if job.get("fill"):
+        fill(**job["fill"])
+
+
 def run_job(job: dict) -> dict:
     from titan_recur.train import main
 
     result: dict = {}
-    if job.get("truncate"):
-        path = Path(job["truncate"])
-        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    prepare(job)
     if job.get("watch"):
         result["before"] = snapshot(job["watch"])
     stdout, stderr = io.StringIO(), io.StringIO()
@@ -57,7 +89,7 @@ def run_job(job: dict) -> dict:
                 result["rc"] = resume_only(job["argv"], job["resume_only"])
             else:
                 result["rc"] = main(job["argv"])
-        except Exception:  # report it with the job's output instead of losing every job's results
+        except BaseException:  # (DCP raises BaseExceptions) report it with the job's output, keep the others
             result["rc"] = None
             traceback.print_exc()
     if job.get("watch"):
