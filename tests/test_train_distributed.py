@@ -126,7 +126,7 @@ def assert_no_recompile_after_warmup(compiled: dict) -> None:
 
 
 def test_compiled_blocks_do_not_recompile_per_recurrence(model_dir, tmp_path):
-    steps = "30"
+    steps = "50"
     compiled_args, compiled_out = worker_args(
         model_dir, tmp_path, "compiled", "--mode", "compile", "--steps", steps, "--ac", "per_iteration",
         "--training.compile", "true", "--recurrence.curriculum", "none",
@@ -141,8 +141,9 @@ def test_compiled_blocks_do_not_recompile_per_recurrence(model_dir, tmp_path):
     eager = json.loads(Path(str(eager_out)).read_text())
     assert len({tuple(d) for d in compiled["depths"]}) >= 4, "the test needs varying (n, k)"
     assert compiled["depths"] == eager["depths"]
-    # Graphs over all blocks: grad / no-grad variants, shared by blocks of the same kind.
-    assert compiled["unique_graphs"] <= 3, compiled
+    # One graph for the prelude/coda blocks (shared), and the core iteration's variants: no-grad, grad
+    # from a state without grad (the first grad iteration), grad from a state with grad.
+    assert compiled["unique_graphs"] <= 4, compiled
     assert_no_recompile_after_warmup(compiled)
     torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-4, atol=1e-5)
 
@@ -152,10 +153,10 @@ def test_compiled_blocks_under_fsdp_match_eager(model_dir, tmp_path):
     common = ("--mode", "compile", "--steps", "8", "--ac", "per_iteration", "--recurrence.curriculum", "none")
     compiled_args, compiled_out = worker_args(model_dir, tmp_path, "compiled", *common, "--training.compile", "true")
     eager_args, eager_out = worker_args(model_dir, tmp_path, "eager", *common)
-    run_torchrun([WORKER, *compiled_args], nproc=2)
+    run_torchrun([WORKER, *compiled_args], nproc=2, timeout=600)  # a cold inductor cache on a loaded machine
     run_torchrun([WORKER, *eager_args], nproc=2)
     compiled, eager = json.loads(compiled_out.read_text()), json.loads(eager_out.read_text())
     assert compiled["depths"] == eager["depths"]
-    assert compiled["unique_graphs"] <= 3, compiled
+    assert compiled["unique_graphs"] <= 4, compiled
     assert_no_recompile_after_warmup(compiled)
     torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-4, atol=1e-5)

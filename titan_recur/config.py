@@ -106,7 +106,14 @@ class Training:
         "around the forward, as the reference does: matmuls in bf16, the prelude's residual stream and the "
         "norms in fp32, closer logits; all-gathers move fp32, 2x the bytes (also on CPU). See docs/benchmarks.md.",
     )
-    compile: bool = opt(False, "Compile the model with torch.compile.")
+    compile: bool = opt(
+        False, "torch.compile each prelude/coda block and the whole core iteration (the loop stays eager)."
+    )
+    loss_chunk_tokens: int = opt(
+        1024,
+        "Compute the head matmul and the loss this many tokens at a time, recomputed in backward, so the "
+        "full (tokens x vocab) logits are never held (4 GiB fp32 at vocab 128k and 8k tokens); 0 = unchunked.",
+    )
     ac_mode: ACMode = opt(
         "per_iteration",
         "Activation checkpointing: 'full' = every block incl. each core iteration; 'per_iteration' = "
@@ -522,6 +529,7 @@ _AT_LEAST = {
     "training.seq_len": 1,
     "training.max_skipped_steps": 0,
     "training.inject_nan_at_step": 0,
+    "training.loss_chunk_tokens": 0,
     "recurrence.start": 1,
     "recurrence.backprop_depth": 1,
     "recurrence.backprop_start": 1,

@@ -3,8 +3,8 @@
 Where a looped block breaks TorchTitan's assumptions:
 - The recurrent core is ONE FSDP unit (the loop owner), so its weights are all-gathered once in forward
   and once in backward and reduce-scattered once per step, whatever the number of iterations.
-- Compile wraps each block, never the loop: the loop stays plain Python, so the number of iterations
-  never enters a graph and never triggers a recompile.
+- Compile wraps each prelude/coda block and one whole core iteration, never the loop: the loop stays
+  plain Python, so the number of iterations never enters a graph and never triggers a recompile.
 - Activation checkpointing of the core is per grad-carrying iteration; no-grad iterations store nothing.
 """
 
@@ -62,9 +62,15 @@ def _checkpointed(module: nn.Module) -> nn.Module:
 
 
 def apply_compile(model: RecurrentLM) -> None:
-    """Compile each block on its own; the same graphs serve every iteration of the loop."""
-    for block in model.blocks():
+    """Compile each prelude/coda block, and the whole core iteration (A_s s + R blocks) as one graph.
+
+    The loop stays eager, so (n, k) never enters a graph: one graph per grad mode serves every
+    iteration of every step, and nothing between the core's blocks runs outside it.
+    """
+    for block in [*model.prelude, *model.coda]:
         block.compile(fullgraph=True)
+    if model.core is not None:
+        model.core.iteration.compile(fullgraph=True)
 
 
 def apply_fsdp(model: RecurrentLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None) -> None:

@@ -38,7 +38,7 @@ from titan_recur.models.io import (
     resolve_model_args,
     write_model_folder,
 )
-from titan_recur.models.loss import count_labels, cross_entropy_sum
+from titan_recur.models.loss import count_labels
 from titan_recur.models.model import RecurrentLM
 from titan_recur.optim import build_optimizers, clip_coefficient, grad_square_sum, scale_grads_
 from titan_recur.parallelize import build_dp_mesh, forward_autocast, mixed_precision_policy, parallelize_model
@@ -243,12 +243,14 @@ class Trainer:
         no collective and no host sync; the step's scalars travel in one all-reduce afterwards.
         """
         loss_sum = torch.zeros((), device=self.dist.device)
-        labels, tokens, step_flops = 0, 0, 0.0
+        labels = torch.zeros((), device=self.dist.device)
+        tokens, step_flops = 0, 0.0
         for micro_step in range(self.grad_accum):
             batch = next(data_iter)
             n, k = self.schedule.sample(self.step, micro_step)
-            loss_sum += self.forward_backward(batch, n, k)
-            labels += int(count_labels(batch["labels"]))
+            micro_loss, micro_labels = self.forward_backward(batch, n, k)
+            loss_sum += micro_loss
+            labels += micro_labels
             tokens += batch["input_ids"].numel()
             per_token = flops.training_flops_per_token(self.model_args, (n, k), batch["input_ids"].shape[1])
             step_flops += per_token.total * batch["input_ids"].numel()
@@ -272,23 +274,25 @@ class Trainer:
             "tokens_seen": self.progress.tokens_seen,
         }
 
-    def forward_backward(self, batch: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
-        """Forward with n no-grad and k grad iterations, backward of the summed token loss; returns that sum.
+    def forward_backward(self, batch: dict[str, torch.Tensor], n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward with n no-grad and k grad iterations, backward of the summed token loss.
 
-        Gradients are of the sum; `optimizer_step` rescales them once the global label count is known.
+        Returns (loss sum, label count) as device scalars. Gradients are of the sum; `optimizer_step`
+        rescales them once the global label count is known.
         """
+        t = self.cfg.training
         input_ids = batch["input_ids"].to(self.dist.device, non_blocking=True)
         labels = batch["labels"].to(self.dist.device, non_blocking=True)
-        t = self.cfg.training
         with forward_autocast(self.dist.device.type, t.mixed_precision_param, t.mixed_precision_mode):
-            logits = self.model(input_ids, (n, k))
-        loss_sum = cross_entropy_sum(logits, labels)
-        if self.step == self.cfg.training.inject_nan_at_step:
+            loss_sum = self.model(input_ids, (n, k), labels=labels, loss_chunk_tokens=t.loss_chunk_tokens)
+        if self.step == t.inject_nan_at_step:
             loss_sum = loss_sum * float("nan")
         loss_sum.backward()
-        return loss_sum.detach()
+        return loss_sum.detach(), count_labels(labels)
 
-    def optimizer_step(self, loss_sum: torch.Tensor, labels: int) -> tuple[float, float, dict[str, float]] | None:
+    def optimizer_step(
+        self, loss_sum: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[float, float, dict[str, float]] | None:
         """Reduce the step's scalars, turn summed gradients into the global mean, clip, check, step.
 
         One all-reduce carries this rank's loss sum, label count, squared gradient norm and the
@@ -299,9 +303,9 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         local = torch.stack([
             loss_sum.float(),
-            torch.tensor(float(labels), device=self.dist.device),
+            labels.float(),
             grad_square_sum(params) / self.cfg.parallel.dp_replicate,
-            torch.tensor(float(self.preemption.requested), device=self.dist.device),
+            torch.full((), float(self.preemption.requested), device=self.dist.device),  # a fill, not a copy: no sync
         ])
         if dist.is_initialized():
             dist.all_reduce(local)

@@ -13,6 +13,7 @@ from torch import nn
 
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.blocks import AttentionContext, KVCache, RMSNorm, TransformerBlock
+from titan_recur.models.loss import chunked_cross_entropy_sum, cross_entropy_sum
 from titan_recur.models.rope import rope_cos_sin, rope_inverse_frequencies
 
 NumSteps = int | tuple[int, int] | None
@@ -132,23 +133,33 @@ class RecurrentLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
         state_init: str | None = None,
+        labels: torch.Tensor | None = None,
+        loss_chunk_tokens: int = 0,
     ) -> torch.Tensor:
-        """Logits (B, T, V).
+        """Logits (B, T, V), or with ``labels`` the summed next-token loss (fp32 scalar).
 
         num_steps: (n, k) = n iterations without grad then k with grad (training); an int r = r
         iterations, all without grad (evaluation); None = ``args.mean_recurrence`` without grad.
         attention_mask: (B, past + T) with 1 for real tokens (left padding); positions then count
         real tokens only, so a padded row computes exactly what it computes alone.
         state_init: None = the training init in train mode, the deterministic eval init in eval mode.
+        labels: (B, T) next-token targets aligned with the positions (already shifted, IGNORE_INDEX
+        for no loss); the loss is computed here, inside the model's forward, so that a sharded head
+        is gathered for it. loss_chunk_tokens > 0 computes it chunk by chunk, never holding the full
+        logits (``chunked_cross_entropy_sum``).
         """
         ctx = self.attention_context(input_ids, attention_mask, position_ids, cache)
         x = self.embed_and_prelude(input_ids, ctx)
         if self.core is not None:
             x = self.core(x, ctx, resolve_num_steps(num_steps, self.args), self.resolve_state_init(state_init))
-        logits = self.coda_and_head(x, ctx)
+        hidden = self.norm(self.run_coda(x, ctx))
         if cache is not None:
             cache.length += input_ids.shape[1]
-        return logits
+        if labels is None:
+            return self.head(hidden)
+        if loss_chunk_tokens > 0:
+            return chunked_cross_entropy_sum(hidden, self.head_weight(), labels, loss_chunk_tokens)
+        return cross_entropy_sum(self.head(hidden), labels)
 
     def embed_and_prelude(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -156,14 +167,20 @@ class RecurrentLM(nn.Module):
             x = block(x, ctx)
         return x
 
-    def coda_and_head(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def run_coda(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         for block in self.coda:
             x = block(x, ctx)
-        return self.head(self.norm(x))
+        return x
+
+    def coda_and_head(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        return self.head(self.norm(self.run_coda(x, ctx)))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of final-norm hidden states: the LM head, or the embedding matrix when tied."""
         return self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.embed_tokens.weight)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
 
     def resolve_state_init(self, state_init: str | None) -> str:
         if state_init is not None:
