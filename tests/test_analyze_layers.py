@@ -3,7 +3,9 @@ equal to tools/convert_hf.py + `python -m titan_recur.eval loss`, bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import shutil
@@ -71,6 +73,15 @@ def analyze(source: Path, out: Path, *args: str) -> dict:
     return json.loads((out / "layer_analysis.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def llama_2_2_2(llama_2_3, tmp_path_factory) -> tuple[dict, str, Path]:
+    """The report, printed tables and output folder of --recommend 2,2,2 on llama_2_3."""
+    out, printed = tmp_path_factory.mktemp("llama_2_2_2"), io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        report = analyze(llama_2_3, out, "--recommend", "2,2,2")
+    return report, printed.getvalue(), out
+
+
 def two_smallest(values: list[float]) -> set[int]:
     return set(sorted(range(len(values)), key=lambda i: values[i])[:2])
 
@@ -122,9 +133,9 @@ def test_statistics_match_transformers_hidden_states(tiny_hf_checkpoint, name):
 # ---------------------------------------------------------------- rankings and losses
 
 
-def test_llama_near_identity_layers_rank_most_droppable(llama_2_3, tmp_path, capsys):
+def test_llama_near_identity_layers_rank_most_droppable(llama_2_2_2):
     """Layers 2-3 made near-identity: every criterion picks them; --recommend 2,2,2 keeps core 4-5."""
-    report = analyze(llama_2_3, tmp_path / "out", "--recommend", "2,2,2")
+    report, printed, out = llama_2_2_2
     layers = report["layers"]
     assert two_smallest([row["block_influence"] for row in layers]) == {2, 3}
     assert two_smallest([abs(row["drop_loss_increase"]) for row in layers]) == {2, 3}
@@ -138,17 +149,16 @@ def test_llama_near_identity_layers_rank_most_droppable(llama_2_3, tmp_path, cap
     assert (best["core"], best["dropped"], best["angular_rank"], best["paper_placement"]) == ([4, 5], [2, 3], 1, True)
     assert best["loss_identity_r1"] == pytest.approx(report["source_loss"], abs=1e-3)
     assert all(row["loss_identity_r1"] > best["loss_identity_r1"] + 1e-2 for row in ranked[1:])
-    printed = capsys.readouterr().out
     assert best["command"] in printed and "--prelude 0-1 --core 4-5 --coda 6-7" in best["command"]
     import matplotlib.image
 
     for plot in ("influence.png", "angular_distance.png"):
-        assert matplotlib.image.imread(tmp_path / "out" / plot).shape[0] > 100
+        assert matplotlib.image.imread(out / plot).shape[0] > 100
 
 
-def test_candidate_losses_equal_convert_hf_and_eval_loss(llama_2_3, tmp_path):
+def test_candidate_losses_equal_convert_hf_and_eval_loss(llama_2_2_2, tmp_path):
     """The tool's in-memory losses are what the printed convert command + the eval CLI measure."""
-    report = analyze(llama_2_3, tmp_path / "out", "--recommend", "2,2,2")
+    report = llama_2_2_2[0]
     for i, row in enumerate(report["candidates"]["ranked"]):
         model = convert_candidate(row, tmp_path / f"identity_{i}")
         assert eval_loss(model, tmp_path / f"eval_{i}", "1")["1"] == pytest.approx(row["loss_identity_r1"], abs=1e-5)

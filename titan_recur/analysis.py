@@ -123,7 +123,8 @@ class LayerStatistics:
         spans = []
         for n in range(1, self.n_layers + 1):
             start = min(range(self.n_layers - n + 1), key=lambda i: self.angular_distance(i, n))
-            spans.append({"n": n, "layers": [start, start + n - 1], "angular_distance": self.angular_distance(start, n)})
+            distance = self.angular_distance(start, n)
+            spans.append({"n": n, "layers": [start, start + n - 1], "angular_distance": distance})
         return spans
 
 
@@ -346,7 +347,8 @@ def format_report(report: dict[str, Any], top: int = 5) -> str:
     for row in report["layers"]:
         lines.append(
             f"{row['layer']:>5}  {row['block_influence']:>9.5f}  {row['angular_distance_next']:>10.5f}  "
-            f"{row['drop_loss']:>15.4f} ({row['drop_loss_increase']:+.4f})  {row['norm_in']:>7.2f}  {row['norm_out']:>8.2f}"
+            f"{row['drop_loss']:>15.4f} ({row['drop_loss_increase']:+.4f})  "
+            f"{row['norm_in']:>7.2f}  {row['norm_out']:>8.2f}"
         )
     lines += ["", "most redundant n consecutive layers (smallest angular distance between layer l's input and l+n's)",
               "    n  layers  angular distance"]
@@ -415,7 +417,7 @@ def plot_report(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
     fig, ax = plt.subplots(figsize=(5.5, 4.5), dpi=120)
     image = ax.imshow(grid.numpy(), origin="lower", aspect="auto", cmap="viridis",
                       extent=(0.5, n_layers + 0.5, -0.5, n_layers - 0.5))
-    fig.colorbar(image, ax=ax, label="angular distance d(h_l, h_{l+n})")
+    fig.colorbar(image, ax=ax, label=r"angular distance $d(h_l, h_{l+n})$")
     ax.set_xlabel("span n (layers dropped)")
     ax.set_ylabel("first layer l")
     ax.set_title(f"{report['source']}: smaller = more redundant", fontsize=9)

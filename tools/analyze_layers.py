@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--config", help="train config TOML: use its validation split (data.validation_fraction > 0)")
     parser.add_argument("--text-field", default="text", help="jsonl/parquet field holding the text (default: text)")
     parser.add_argument("--tokens", type=int, default=65536, help="calibration tokens (default 65536)")
-    parser.add_argument("--seq-len", type=int, help="tokens per row (default: the config's training.seq_len, else 1024)")
+    parser.add_argument("--seq-len", type=int,
+                        help="tokens per row (default: the config's training.seq_len, else 1024)")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per forward (default 8)")
     surgery = parser.add_argument_group("candidate surgeries").add_mutually_exclusive_group()
     surgery.add_argument("--recommend", metavar="P,R,C", help="rank every core placement of this shape")
@@ -131,7 +132,8 @@ def run(argv: list[str] | None = None) -> None:
     data = args.data or f"{args.config} (validation split)"
     print(f"{args.source}: {source.architecture}, {source.n_layers} layers; calibration {data}: "
           f"{num_batches} batches x {batch_size} rows x {seq_len} tokens "
-          f"(python -m titan_recur.eval loss ... --batches {num_batches} --batch-size {batch_size} --seq-len {seq_len})")
+          f"(the rows of python -m titan_recur.eval loss --batches {num_batches} --batch-size {batch_size} "
+          f"--seq-len {seq_len})")
     report = analyze(source, args.source, batches, device=device, dtype=DTYPES[args.dtype], plans=plans,
                      measure=args.measure, recurrences=args.recurrences, seed=args.seed,
                      progress=sys.stderr.isatty())
