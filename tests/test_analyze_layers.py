@@ -248,3 +248,11 @@ def test_progress_bars_count_layers(tiny_hf_checkpoint, capsys):
     batches = [{"input_ids": torch.arange(3, 19)[None], "labels": torch.arange(4, 20)[None]}]
     losses = drop_one_losses(source, InMemoryWeights.load(source, "cpu", torch.float32), batches, progress=True)
     assert len(losses) == 6 and "drop each layer: 100%" in capsys.readouterr().err
+
+
+def test_help_names_both_selections(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        ANALYZE.main(["--help"])
+    printed = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert all(flag in printed for flag in ("--recommend P,R,C", "--budget K", "--measure", "--tokens"))

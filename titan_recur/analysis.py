@@ -386,13 +386,18 @@ def _format_candidates(candidates: dict[str, Any], top: int) -> list[str]:
     return lines
 
 
-def plot_report(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
-    """influence.png (block influence and drop-alone loss increase per layer) and angular_distance.png (l x n)."""
+def require_matplotlib() -> Any:
+    """matplotlib, or a one-line install hint (the tool checks this before its work)."""
     try:
         import matplotlib
     except ImportError:
         raise ImportError("the plots need matplotlib: pip install -e '.[eval]'") from None
+    return matplotlib
 
+
+def plot_report(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    """influence.png (block influence and drop-alone loss increase per layer) and angular_distance.png (l x n)."""
+    matplotlib = require_matplotlib()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -1,11 +1,12 @@
 """Which layers of an HF Llama / OLMo-2 model to drop and which to loop: measured before any training.
 
 Examples:
-  python tools/analyze_layers.py assets/tiny_llama --data assets/corpus/general.jsonl --seq-len 128 --recommend 1,2,1
-  python tools/analyze_layers.py assets/tiny_olmo2 --data assets/corpus/general.jsonl --seq-len 128 --budget 4
+  python tools/analyze_layers.py assets/tiny_llama --data assets/corpus/general.jsonl --seq-len 128 --tokens 8192 \\
+      --recommend 1,2,1
+  python tools/analyze_layers.py assets/tiny_olmo2 --config train_configs/debug_model.toml --tokens 8192 --budget 4
   python tools/analyze_layers.py TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T --data held_out.jsonl \\
       --tokens 65536 --recommend 4,8,4 --device cuda
-  python tools/analyze_layers.py hf/Llama-3.2-1B --config train_configs/llama3_2_1b.toml --budget 8
+  python tools/analyze_layers.py hf/Llama-3.2-1B --data held_out.jsonl --budget 14 --device cuda
 
 Per source layer it reports the block influence 1 - cos(h_in, h_out), the angular distance between
 layer l's input and layer l+n's for every span n (Gromov et al. 2024: a small distance means layers
@@ -44,6 +45,7 @@ from titan_recur.analysis import (
     candidate_plans,
     format_report,
     plot_report,
+    require_matplotlib,
     shapes_for_budget,
 )
 from titan_recur.eval.loss import check_recurrences
@@ -113,6 +115,7 @@ def run(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     shape = None if args.recommend is None else parse_shape(args.recommend)
     check_counts(args)
+    require_matplotlib()
     device = resolve_device(args.device)
     folder = resolve_source(args.source, args.revision)
     source = read_source(folder)
@@ -130,6 +133,8 @@ def run(argv: list[str] | None = None) -> None:
     batches = list(heldout_batches(tokenizer, seq_len=seq_len, batch_size=batch_size, num_batches=num_batches,
                                    data=args.data, text_field=args.text_field, config=args.config))
     data = args.data or f"{args.config} (validation split)"
+    out = args.out or Path("outputs") / "layer_analysis" / Path(args.source).name
+    out.mkdir(parents=True, exist_ok=True)  # before the work: an unwritable folder fails now
     print(f"{args.source}: {source.architecture}, {source.n_layers} layers; calibration {data}: "
           f"{num_batches} batches x {batch_size} rows x {seq_len} tokens "
           f"(the rows of python -m titan_recur.eval loss --batches {num_batches} --batch-size {batch_size} "
@@ -138,8 +143,6 @@ def run(argv: list[str] | None = None) -> None:
                      measure=args.measure, recurrences=args.recurrences, seed=args.seed,
                      progress=sys.stderr.isatty())
     report.update(data=data, seq_len=seq_len, batch_size=batch_size, batches=num_batches, dtype=args.dtype)
-    out = args.out or Path("outputs") / "layer_analysis" / Path(args.source).name
-    out.mkdir(parents=True, exist_ok=True)
     (out / JSON_NAME).write_text(json.dumps(report, indent=2) + "\n")
     plots = plot_report(report, out)
     print(format_report(report, args.top))
@@ -149,7 +152,7 @@ def run(argv: list[str] | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         run(argv)
-    except (ConversionError, ValueError, FileNotFoundError, ImportError) as e:
+    except (ConversionError, ValueError, OSError, ImportError) as e:  # OSError: missing files, unwritable --out
         print(f"analyze_layers.py: error: {e}", file=sys.stderr)
         return 2
     return 0
