@@ -105,16 +105,22 @@ def test_hsdp_two_by_two_matches_single_process(model_dir, tmp_path):
     assert_runs_agree(torch.load(single_out), torch.load(multi_out), "muon")
 
 
-def test_core_is_one_fsdp_unit_collectives_independent_of_r(model_dir, tmp_path):
-    args, out = worker_args(model_dir, tmp_path, "collectives", "--mode", "collectives", "--ac", "per_iteration")
+def test_one_optimizer_step_issues_the_same_collectives_for_every_depth(model_dir, tmp_path):
+    """Per optimizer step, whatever (n, k): the core (one FSDP unit) is all-gathered once in forward and at
+    most once more for backward, reduce-scattered once; the step's scalars take one all-reduce; and
+    titan_recur's code reads one value back to the host (the reduced scalars)."""
+    args, out = worker_args(model_dir, tmp_path, "collectives", "--mode", "collectives", "--ac", "per_iteration",
+                            "--optimizer", "muon")
     run_torchrun([WORKER, *args], nproc=2)
     counts = json.loads(out.read_text())
-    assert set(counts) == {"1", "4", "16"}
-    for r, phase in counts.items():
-        assert phase["forward"].get("all_gather", 0) == 1, (r, phase)
-        assert phase["backward"].get("all_gather", 0) <= 1, (r, phase)
-        assert phase["backward"].get("reduce_scatter", 0) == 1, (r, phase)
-        assert phase["forward"].get("reduce_scatter", 0) == 0, (r, phase)
+    assert set(counts) == {"0,1", "3,1", "2,2", "15,1", "14,2"}
+    for depth, step in counts.items():
+        assert step["forward"].get("all_gather", 0) == 1, (depth, step)
+        assert step["forward"].get("reduce_scatter", 0) == 0, (depth, step)
+        assert step["after_forward"].get("all_gather", 0) <= 1, (depth, step)
+        assert step["after_forward"].get("reduce_scatter", 0) == 1, (depth, step)
+        assert step["all_reduce"] == 1, (depth, step)
+        assert len(step["host_syncs"]) == 1, (depth, step)
 
 
 def assert_no_recompile_after_warmup(compiled: dict) -> None:

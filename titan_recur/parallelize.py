@@ -89,6 +89,24 @@ def apply_fsdp(model: RecurrentLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPo
         # The head's output is the last thing in forward: keep it gathered for backward.
         fully_shard([model.norm, model.lm_head], reshard_after_forward=False, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    set_prefetch(model)
+
+
+def set_prefetch(model: RecurrentLM) -> None:
+    """Explicit FSDP2 prefetch along the forward order of the units: each all-gathers the next one's
+    parameters while it computes (and the previous one's in backward). The first unit also starts the
+    core's all-gather, the largest, so that it overlaps the whole prelude."""
+    units = [*([model.embed_tokens] if not model.args.tie_embeddings else []), *model.prelude]
+    units += [model.core] if model.core is not None else []
+    units += [*model.coda, *([model.norm] if not model.args.tie_embeddings else [])]
+    for i, unit in enumerate(units):
+        ahead = units[i + 1 : i + 2]
+        if i == 0 and model.core is not None and model.core not in ahead and model.core is not unit:
+            ahead.append(model.core)
+        if ahead:
+            unit.set_modules_to_forward_prefetch(ahead)
+        if i > 0:
+            unit.set_modules_to_backward_prefetch([units[i - 1]])
 
 
 MIXED_PRECISION_MODES = ("fsdp", "autocast")
