@@ -141,7 +141,9 @@ def test_exported_tied_model_loads_tied(tmp_path: Path) -> None:
     model_dir = make_model_dir(tmp_path / "tied", tie_embeddings=True)
     export_hf(load_model(model_dir), tmp_path / "hf", tokenizer_folder=model_dir, mean_recurrence=3)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True)
-    assert hf.model.lm_head is None and hf.get_output_embeddings() is None  # tied: the head is the embedding
+    # Tied the transformers way: the head module's weight is the embedding's (titan_recur ties structurally).
+    assert hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+    assert load_model(model_dir).lm_head is None
     ids, _ = left_padded_batch()
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, load_model(model_dir)(ids, 3, state_init="zero"), atol=1e-5, rtol=0)
