@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import shutil
 import subprocess
 import sys
@@ -204,19 +205,39 @@ def test_generate_as_lm_eval_hf_backend_calls_it(recurrent_dir: Path, exported: 
         assert row[:n] == reference[:n] and n > 0
 
 
-def test_lm_eval_hf_backend_runs_the_export(exported: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`lm_eval --model hf --model_args pretrained=EXPORT,trust_remote_code=True` (its Python API)."""
-
+def test_lm_eval_hf_backend_equals_the_project_harness(recurrent_dir: Path, exported: Path) -> None:
+    """`lm_eval --model hf` on the export (docs/hf.md's model args) and the project's `titan_recur` model on the
+    same weights: equal loglikelihoods and rolling loglikelihoods at batch 1 and 4, equal generations."""
     from lm_eval import simple_evaluate
+    from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
 
-    monkeypatch.chdir(REPO)
-    result = simple_evaluate(
-        model="hf", model_args=f"pretrained={exported},trust_remote_code=True,dtype=float32,device=cpu",
-        tasks=["titan_recur_tiny_choice", "titan_recur_tiny_gen"], limit=3, batch_size=2,
-        task_manager=TaskManager(include_path=str(REPO / "tests" / "assets_lm_eval"), include_defaults=False),
-    )
-    assert set(result["results"]) == {"titan_recur_tiny_choice", "titan_recur_tiny_gen"}
+    import titan_recur.eval.lm_eval_model  # noqa: F401  (registers "titan_recur")
+
+    manager = TaskManager(include_path=str(REPO / "tests" / "assets_lm_eval"), include_defaults=False)
+    eos = json.loads((exported / "config.json").read_text())["eos_token_id"]
+    models = {
+        "hf": get_model("hf").create_from_arg_string(
+            f"pretrained={exported},trust_remote_code=True,dtype=float32,device=cpu,num_steps=3,prefix_token_id={eos}"
+        ),
+        "titan_recur": get_model("titan_recur").create_from_arg_string(f"pretrained={recurrent_dir},num_steps=3"),
+    }
+    samples: dict[tuple[str, int], dict] = {}
+    for name, lm in models.items():
+        for batch_size in (1, 4):
+            setattr(lm, "batch_size_per_gpu" if name == "hf" else "batch_size", batch_size)
+            tasks = ["titan_recur_tiny_choice", "titan_recur_tiny_rolling"] + ["titan_recur_tiny_gen"] * (batch_size == 4)
+            result = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, log_samples=True)
+            samples[name, batch_size] = {task: [doc["resps"] for doc in result["samples"][task]] for task in tasks}
+    for batch_size in (1, 4):
+        hf, ours = samples["hf", batch_size], samples["titan_recur", batch_size]
+        for task in ("titan_recur_tiny_choice", "titan_recur_tiny_rolling"):
+            flat_hf = [r if isinstance(r, tuple) else (r, None) for doc in hf[task] for req in doc for r in req]
+            flat_ours = [r if isinstance(r, tuple) else (r, None) for doc in ours[task] for req in doc for r in req]
+            assert len(flat_hf) == len(flat_ours) >= 10
+            for a, b in zip(flat_hf, flat_ours):
+                assert a[0] == pytest.approx(b[0], rel=1e-5) and a[1] == b[1], (task, batch_size)
+    assert samples["hf", 4]["titan_recur_tiny_gen"] == samples["titan_recur", 4]["titan_recur_tiny_gen"]
 
 
 def export_tool():
