@@ -67,6 +67,9 @@ def test_exported_logits_equal_titan_recur(recurrent_dir: Path, exported: Path) 
         torch.testing.assert_close(hf(ids).logits, model(ids, 4, state_init="zero"), atol=1e-5, rtol=0)
         hf2 = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True, mean_recurrence=2)
         torch.testing.assert_close(hf2(ids).logits, model(ids, 2, state_init="zero"), atol=1e-5, rtol=0)
+        # num_steps at load time: the depth of every call that names none (the depth knob of lm_eval's hf backend).
+        hf5 = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True, num_steps=5)
+        torch.testing.assert_close(hf5(ids).logits, model(ids, 5, state_init="zero"), atol=1e-5, rtol=0)
         assert not torch.allclose(model(ids, 1, state_init="zero"), model(ids, 4, state_init="zero"))
         loss = hf(ids, labels=ids, num_steps=2).loss  # HF convention: unshifted labels
         expected = cross_entropy_loss(model(ids, 2, state_init="zero")[:, :-1], ids[:, 1:])
@@ -226,7 +229,8 @@ def test_lm_eval_hf_backend_equals_the_project_harness(recurrent_dir: Path, expo
     for name, lm in models.items():
         for batch_size in (1, 4):
             setattr(lm, "batch_size_per_gpu" if name == "hf" else "batch_size", batch_size)
-            tasks = ["titan_recur_tiny_choice", "titan_recur_tiny_rolling"] + ["titan_recur_tiny_gen"] * (batch_size == 4)
+            tasks = ["titan_recur_tiny_choice", "titan_recur_tiny_rolling"]
+            tasks += ["titan_recur_tiny_gen"] if batch_size == 4 else []
             result = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, log_samples=True)
             samples[name, batch_size] = {task: [doc["resps"] for doc in result["samples"][task]] for task in tasks}
     for batch_size in (1, 4):

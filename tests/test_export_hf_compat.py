@@ -58,8 +58,10 @@ json.dump(result, open(out + "/result.json", "w"))
 
 
 @pytest.mark.parametrize("version", ["4.57", "5"])
-def test_export_runs_on_transformers(exported: Path, model_dir: Path, tmp_path: Path, version: str) -> None:  # noqa: F811
-    env = {**os.environ, "PYTHONPATH": ""}
+def test_export_runs_on_transformers(
+    exported: Path, model_dir: Path, tmp_path: Path, version: str  # noqa: F811  (fixtures)
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if version == "4.57":
         if not (OVERLAY / "transformers").is_dir():
             pytest.fail(f"{OVERLAY} is missing: build it with `bash tools/compat_env.sh` (tools/setup_env.sh does)")
@@ -84,6 +86,7 @@ def test_export_runs_on_transformers(exported: Path, model_dir: Path, tmp_path: 
     from titan_recur.tokenizer import load_tokenizer
 
     expected_ids = load_tokenizer(model_dir).encode("What is 3 + 4?", bos=True, eos=False)
-    assert result["tokenizer"] == ["PreTrainedTokenizerFast" if version == "4.57" else "TokenizersBackend", expected_ids]
+    tokenizer_class = "PreTrainedTokenizerFast" if version == "4.57" else "TokenizersBackend"
+    assert result["tokenizer"] == [tokenizer_class, expected_ids]
     assert result["every_parameter_gets_grad"] and result["checkpointed_grads_equal"]
     assert result["sampled_step_trains_the_core"]

@@ -214,15 +214,19 @@ OFFLOAD_CASES = {
 def test_disk_offload_gives_the_in_memory_logits(
     exported: Path, exported_tied: Path, tmp_path: Path, tied: bool, case: str
 ) -> None:
-    """accelerate disk offload: the core (adapter included) on disk, and the logits of the in-memory model."""
+    """accelerate disk offload: the core (adapter included) on disk, and the logits and hidden states of the
+    in-memory model."""
     folder = exported_tied if tied else exported
     ids = batch()
     with torch.no_grad():
-        expected = load(folder).eval()(ids).logits
+        expected = load(folder).eval()(ids, output_hidden_states=True)
         offloaded = load(folder, offload_folder=str(tmp_path), **OFFLOAD_CASES[case]).eval()
         assert offloaded.hf_device_map["model.core"] == "disk"
         assert offloaded.model.core.adapter.weight.device.type == "meta"
-        torch.testing.assert_close(offloaded(ids).logits, expected, atol=1e-5, rtol=0)
+        output = offloaded(ids, output_hidden_states=True)
+        torch.testing.assert_close(output.logits, expected.logits, atol=1e-5, rtol=0)
+        assert len(output.hidden_states) == len(expected.hidden_states) == 1 + 1 + MEAN + 1
+        torch.testing.assert_close(output.hidden_states, expected.hidden_states, atol=1e-5, rtol=0)
 
 
 def test_beam_search_reorders_the_cache(exported: Path, model_dir: Path) -> None:

@@ -63,7 +63,7 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
 
     In eval mode (or without grad) r iterations run without grad. A training forward (train mode,
     grad enabled) that names no depth samples (n, k) as titan_recur's trainer does; an int r runs r
-    iterations whose last ``backprop_depth`` carry grad; ``num_steps=(n, k)`` is used as given.
+    iterations whose last min(r, ``config.backprop_depth``) carry grad; ``num_steps=(n, k)`` is used as given.
     """
 
     config_class = TitanRecurConfig
@@ -174,13 +174,13 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         The output is always a ModelOutput (``return_dict`` is accepted because transformers passes it).
         """
         if output_attentions:
-            raise ValueError("TitanRecurForCausalLM cannot return attention weights (it runs scaled_dot_product_attention)")
+            raise ValueError("output_attentions is not supported: attention runs in scaled_dot_product_attention")
         cache = cache if cache is not None else past_key_values
         if use_cache and cache is None:
             cache = KVCache()
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
-        hidden_states: list[torch.Tensor] | None = [] if output_hidden_states else None
+        states: list[torch.Tensor] = []
         logits = self.model(
             input_ids,
             self.resolve_depth(num_steps),
@@ -189,13 +189,14 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             cache=cache,
             state_init=state_init or (None if self.training else self.config.state_init),
             inputs_embeds=inputs_embeds,
-            hidden_states=hidden_states,
+            on_hidden_state=states.append if output_hidden_states else None,
         )
         loss = None if labels is None else cross_entropy_loss(logits[:, :-1], labels[:, 1:])
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+            # transformers' convention: the last layer's output is given after the final norm.
+            hidden_states=(*states[:-2], states[-1]) if output_hidden_states else None,
             **{CACHE_FIELD: cache},
         )
 

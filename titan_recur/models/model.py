@@ -7,6 +7,8 @@ transformer block) and `RecurrentCore.iteration` (one pass through the core, the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,24 +66,23 @@ class RecurrentCore(nn.Module):
         ctx: AttentionContext,
         num_steps: tuple[int, int],
         state_init: str,
-        states: list[torch.Tensor] | None = None,
+        on_state: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """n iterations without grad, then k with grad (truncated backprop through depth).
 
-        states: if given, the state after each iteration is appended to it.
+        on_state: if given, called with the state after each iteration.
         """
         n_no_grad, n_grad = num_steps
+        record = on_state or _ignore
         injected = self.inject(embedded)
         state = self.initial_state(embedded, state_init)
         with torch.no_grad():
             for i in range(n_no_grad):
                 state = self.iteration(state, injected, ctx.at_iteration(i))
-                if states is not None:
-                    states.append(state)
+                record(state)
         for i in range(n_no_grad, n_no_grad + n_grad):
             state = self.iteration(state, injected, ctx.at_iteration(i))
-            if states is not None:
-                states.append(state)
+            record(state)
         return state
 
     def inject(self, embedded: torch.Tensor) -> torch.Tensor:
@@ -166,7 +167,7 @@ class RecurrentLM(nn.Module):
         cache: KVCache | None = None,
         state_init: str | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        hidden_states: list[torch.Tensor] | None = None,
+        on_hidden_state: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V).
 
@@ -178,20 +179,21 @@ class RecurrentLM(nn.Module):
         real tokens only, so a padded row computes exactly what it computes alone.
         state_init: None = the training init in train mode, the deterministic eval init in eval mode.
         inputs_embeds: (B, T, d) embeddings in place of ``input_ids`` (give exactly one).
-        hidden_states: if given, receives the embeddings, each prelude block's output, the state after
-        each core iteration and each coda block's output, the last one after the final norm (what the
-        head reads): 1 + P + r + C tensors (B, T, d), as transformers' ``output_hidden_states``.
+        on_hidden_state: if given, called with each hidden state (B, T, d) in order: the embeddings, each
+        prelude block's output, the state after each core iteration, each coda block's output and the
+        final norm's output (what the head reads), 2 + P + r + C calls. A callable, not a list, so that
+        hooks that move a module's arguments between devices (accelerate's) pass it through unchanged.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
         tokens = input_ids if inputs_embeds is None else inputs_embeds
         ctx = self.attention_context(tokens, attention_mask, position_ids, cache)
-        x = self.embed_and_prelude(input_ids, ctx, inputs_embeds, hidden_states)
+        x = self.embed_and_prelude(input_ids, ctx, inputs_embeds, on_hidden_state)
         if self.core is not None:
             depth = DEFAULT_BACKPROP_DEPTH if self.training and torch.is_grad_enabled() else None
             steps = resolve_num_steps(num_steps, self.args, backprop_depth=depth)
-            x = self.core(x, ctx, steps, self.resolve_state_init(state_init), hidden_states)
-        logits = self.coda_and_head(x, ctx, hidden_states)
+            x = self.core(x, ctx, steps, self.resolve_state_init(state_init), on_hidden_state)
+        logits = self.coda_and_head(x, ctx, on_hidden_state)
         if cache is not None:
             cache.length += tokens.shape[1]
         return logits
@@ -201,27 +203,25 @@ class RecurrentLM(nn.Module):
         input_ids: torch.Tensor | None,
         ctx: AttentionContext,
         inputs_embeds: torch.Tensor | None = None,
-        hidden_states: list[torch.Tensor] | None = None,
+        on_hidden_state: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
+        record = on_hidden_state or _ignore
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if hidden_states is not None:
-            hidden_states.append(x)
+        record(x)
         for block in self.prelude:
             x = block(x, ctx)
-            if hidden_states is not None:
-                hidden_states.append(x)
+            record(x)
         return x
 
     def coda_and_head(
-        self, x: torch.Tensor, ctx: AttentionContext, hidden_states: list[torch.Tensor] | None = None
+        self, x: torch.Tensor, ctx: AttentionContext, on_hidden_state: Callable[[torch.Tensor], None] | None = None
     ) -> torch.Tensor:
+        record = on_hidden_state or _ignore
         for block in self.coda:
             x = block(x, ctx)
-            if hidden_states is not None:
-                hidden_states.append(x)
+            record(x)
         x = self.norm(x)
-        if hidden_states is not None:
-            hidden_states[-1] = x
+        record(x)
         return self.head(x)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -240,7 +240,8 @@ class RecurrentLM(nn.Module):
         position_ids: torch.Tensor | None,
         cache: KVCache | None,
     ) -> AttentionContext:
-        """RoPE tables, mask and cache of a forward; only the (B, T) shape and device of ``input_ids`` (or embeddings) count."""
+        """RoPE tables, mask and cache of a forward; reads only the (B, T) shape and device of ``input_ids``
+        (token ids, or embeddings)."""
         bsz, seqlen = input_ids.shape[:2]
         past = cache.length if cache is not None else 0
         if position_ids is None:
@@ -293,6 +294,10 @@ class RecurrentLM(nn.Module):
         self.norm.reset_parameters()
         if self.lm_head is not None:
             nn.init.trunc_normal_(self.lm_head.weight, std=std, a=-3 * std, b=3 * std)
+
+
+def _ignore(hidden_state: torch.Tensor) -> None:
+    """The hidden-state callback when none is given."""
 
 
 def resolve_num_steps(num_steps: NumSteps, args: ModelArgs, backprop_depth: int | None = None) -> tuple[int, int]:
