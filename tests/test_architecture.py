@@ -12,7 +12,7 @@ PACKAGE = REPO / "titan_recur"
 # A module may import modules of a lower layer, or of its own package group (models.*, eval.*, hf.*).
 LAYER = {
     "models": 0,
-    "config": 1,
+    "config": 1, "plots": 1,
     "tokenizer": 2, "recurrence": 2, "checkpoint": 2,
     "data": 3, "flops": 3, "optim": 3,
     "surgery": 4, "parallelize": 4,
