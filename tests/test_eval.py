@@ -466,3 +466,31 @@ def test_harness_fails_before_the_model_when_task_data_is_unreachable(
     assert len(err) == 1, err
     assert "cannot load the data of task(s) gsm8k_cot_recur" in err[0] and "openai/gsm8k" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_in_loop_validation_and_eval_loss_agree_on_the_same_rows(tmp_path: Path, capsys) -> None:
+    """`eval loss --config <run>/config.json` defaults to the in-loop geometry: the same rows, the same losses.
+
+    With other rows (the old defaults: 8 batches of 8) the numbers differ by more than float noise:
+    that, not the model, was the gap between the in-loop and the offline figure.
+    """
+    from titan_recur.train import main as train_main
+
+    dump = tmp_path / "run"
+    assert train_main(["--config", str(REPO / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(dump),
+                       "--training.steps", "2", "--validation.interval", "2", "--checkpoint.enable", "false",
+                       "--metrics.enable_tensorboard", "false"]) == 0
+    in_loop = next(json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()
+                   if "validation.loss_r1" in line)
+    common = ["loss", "--checkpoint", str(dump / "final_model"), "--config", str(dump / "config.json"),
+              "--recurrences", "1,2,4,8"]
+    assert eval_main([*common, "--out", str(tmp_path / "same")]) == 0
+    out = capsys.readouterr().out
+    assert "in-loop validation of" in out and "2 batches x 8 rows x 64 tokens on each rank" in out
+    same = json.loads((tmp_path / "same" / "validation_loss.json").read_text())
+    assert (same["batches"], same["batch_size"], same["seq_len"]) == (2, 8, 64)
+    for r in (1, 2, 4, 8):
+        assert same["loss"][str(r)] == pytest.approx(in_loop[f"validation.loss_r{r}"], rel=1e-6, abs=1e-6)
+    assert eval_main([*common, "--batches", "8", "--batch-size", "8", "--out", str(tmp_path / "other")]) == 0
+    other = json.loads((tmp_path / "other" / "validation_loss.json").read_text())
+    assert abs(other["loss"]["4"] - in_loop["validation.loss_r4"]) > 1e-3

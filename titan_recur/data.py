@@ -505,12 +505,6 @@ def heldout_documents(cfg: Data) -> Iterator[str]:
                 yield doc
 
 
-def _all_sources(cfg: Data) -> list[DataSource]:
-    """Every distinct source the run reads: the training phases' and the validation sources."""
-    sources = [s for _, phase in _phases(cfg, "train") for s in phase] + list(cfg.validation_sources)
-    return list({_source_key(s): s for s in sources}.values())
-
-
 def _check_tokenized_files(s: DataSource, seq_len: int) -> None:
     """Row lengths of the first row group of each pre-tokenized file (cheap, catches a wrong seq_len)."""
     for path in _source_files(s):
@@ -525,8 +519,9 @@ def _check_tokenized_files(s: DataSource, seq_len: int) -> None:
             raise ValueError(f"{path}: pre-tokenized rows of {bad[0]} tokens, expected seq_len + 1 = {seq_len + 1}")
 
 
-def _check_source(s: DataSource, seq_len: int) -> None:
-    """Open a source and read its first document: missing files, empty data and absent fields fail here."""
+def check_source(s: DataSource, tokenizer: Tokenizer, seq_len: int) -> int:
+    """Open a source and read its first document (or row): missing files, empty data and absent fields
+    fail here. Returns that document's token count, as packed."""
     name = s.name or s.path
     if s.kind == "tokenized":
         _check_tokenized_files(s, seq_len)
@@ -539,13 +534,25 @@ def _check_source(s: DataSource, seq_len: int) -> None:
         raise ValueError(f"data source {name!r}: field {_column(s)!r} not found in {s.path} ({e})") from None
     if _column(s) not in first:
         raise ValueError(f"data source {name!r}: field {_column(s)!r} not found in {s.path}")
+    doc = first[_column(s)]
+    return len(doc) if s.kind == "tokenized" else len(encode_document(tokenizer, doc or ""))
 
 
-def check_data_config(cfg_data: Data, tokenizer: Tokenizer, seq_len: int) -> None:
-    """Fail before training, with one line, on data the run could not use."""
+def check_phase_weights(cfg_data: Data) -> None:
     for start, sources in _phases(cfg_data, "train"):
         total = sum(s.weight for s in sources)
         if not total > 0:
             raise ValueError(f"data phase at step {start}: weights must sum to a positive number, got {total}")
-    for s in _all_sources(cfg_data):
-        _check_source(s, seq_len)
+
+
+def all_sources(cfg_data: Data) -> list[DataSource]:
+    """Every distinct source the run reads: the training phases' and the validation sources."""
+    sources = [s for _, phase in _phases(cfg_data, "train") for s in phase] + list(cfg_data.validation_sources)
+    return list({_source_key(s): s for s in sources}.values())
+
+
+def check_data_config(cfg_data: Data, tokenizer: Tokenizer, seq_len: int) -> None:
+    """Fail before training, with one line, on data the run could not use."""
+    check_phase_weights(cfg_data)
+    for s in all_sources(cfg_data):
+        check_source(s, tokenizer, seq_len)
