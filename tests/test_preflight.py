@@ -198,11 +198,29 @@ def bench():
     del sys.modules[spec.name]
 
 
-@pytest.mark.parametrize("ac_mode", ["per_iteration", "none"])
-def test_memory_estimate_within_25_percent_of_live_tensors(bench, ac_mode, monkeypatch):
-    """The debug model's training step on CPU: peak live tensor bytes (profiler) vs the estimate."""
+@pytest.fixture(scope="module")
+def wide_vocab_model(tmp_path_factory) -> Path:
+    """A model whose embedding, head and loss outweigh its activations (vocab 4096 at d 128)."""
+    from titan_recur.models.io import save_model
+
+    torch.manual_seed(0)
+    model = RecurrentLM(ModelArgs(vocab_size=4096, dim=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,
+                                  n_prelude=1, n_core=2, n_coda=1))
+    model.init_weights()
+    folder = tmp_path_factory.mktemp("wide_vocab")
+    save_model(model, folder, TOKENIZER)
+    return folder
+
+
+@pytest.mark.parametrize("ac_mode, optimizer, wide", [("per_iteration", "muon", False), ("none", "muon", False),
+                                                      ("per_iteration", "adamw", True)])
+def test_memory_estimate_within_25_percent_of_live_tensors(bench, ac_mode, optimizer, wide, wide_vocab_model,
+                                                           monkeypatch):
+    """The debug run's training step on CPU: peak live tensor bytes (profiler) vs the estimate."""
     monkeypatch.chdir(REPO)
-    cfg = load_config(DEBUG_CONFIG, ["--training.device", "cpu", "--training.ac_mode", ac_mode])
+    model = ["--model.path", str(wide_vocab_model)] if wide else []
+    cfg = load_config(DEBUG_CONFIG, ["--training.device", "cpu", "--training.ac_mode", ac_mode,
+                                     "--optimizer.name", optimizer, *model])
     measured = bench.measure_tensors(cfg)
     estimate = preflight.memory_estimate(cfg, resolve_model_args(cfg.model), 1, "cpu")
     assert 0.75 < estimate.total / measured < 1.25, (estimate, measured)

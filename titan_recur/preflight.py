@@ -231,10 +231,19 @@ def block_saved_bytes(args: ModelArgs, c: int) -> float:
     return qk_norms + sdpa + post_norms + c * d + mlp
 
 
-def loss_chunk_bytes(vocab: int, tokens: int, c: int) -> float:
-    """Peak of the head + loss over ``tokens`` tokens: logits (and their fp32 copy), log-softmax, and in
-    backward the grads of both."""
-    return vocab * tokens * ((0 if c == 4 else c) + 4 + 4 + 4 + 4)
+def loss_bytes(args: ModelArgs, tokens: int, chunk_tokens: int, c: int) -> float:
+    """Peak bytes of the head + loss in backward, beyond the hidden states the forward saved.
+
+    Chunked (models/loss.py): the input grad and an fp32 weight-grad buffer, plus per chunk the
+    recomputed logits, their softmax and grad, or the chunk's (vocab x d) weight-grad product.
+    Unchunked: the saved fp32 log-softmax over every token, its grad and the logits' grad.
+    """
+    vocab, d = args.vocab_size, args.dim
+    if chunk_tokens <= 0:
+        return vocab * tokens * (12 if c == 4 else 14)
+    t = min(chunk_tokens, tokens)
+    chunk = max(vocab * t * (8 if c == 4 else 10), c * vocab * t + vocab * d * (c if c == 4 else c + 4))
+    return c * d * tokens + 4 * vocab * d + chunk
 
 
 def activation_bytes(args: ModelArgs, cfg: JobConfig, c: int) -> float:
@@ -259,8 +268,7 @@ def activation_bytes(args: ModelArgs, cfg: JobConfig, c: int) -> float:
         iteration_saved, iteration_recompute = h + args.n_core * (h + block), 0
     final_norm = 4 * args.dim + 4 + 4 * args.dim + h  # the coda output (or its fp32 copy), rsqrt, normalised, hidden
     saved = stem + k * iteration_saved + args.n_coda * per_block + final_norm
-    chunk = min(t.loss_chunk_tokens or tokens, tokens)
-    peaks = [saved * tokens + loss_chunk_bytes(args.vocab_size, chunk, c)]
+    peaks = [saved * tokens + loss_bytes(args, tokens, t.loss_chunk_tokens, c)]
     if ac != "none":
         peaks.append((saved - final_norm + h + block + grads) * tokens)  # a prelude/coda block recomputed
     if k:
