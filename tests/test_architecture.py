@@ -12,12 +12,12 @@ PACKAGE = REPO / "titan_recur"
 # A module may import modules of a lower layer, or of its own package group (models.*, eval.*, hf.*).
 LAYER = {
     "models": 0,
-    "config": 1,
+    "config": 1, "plots": 1,
     "tokenizer": 2, "recurrence": 2, "checkpoint": 2,
     "data": 3, "flops": 3, "optim": 3,
     "surgery": 4, "parallelize": 4,
     "metrics": 5, "eval": 5,
-    "validation": 6, "hf": 6, "analysis": 6,
+    "validation": 6, "hf": 6, "analysis": 6, "preflight": 6,
     "train": 7,
 }
 
