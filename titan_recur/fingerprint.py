@@ -44,6 +44,7 @@ def run_fingerprint(cfg: JobConfig, model_args: ModelArgs, tokenizer_folder: str
                 {"start_step": start, "sources": [_source(s) for s in phase_sources]}
                 for start, phase_sources in sources
             ],
+            "validation_sources": [_source(s) for s in data.validation_sources],
         },
         "optimizer": config_to_dict(cfg.optimizer),
         "lr_scheduler": config_to_dict(cfg.lr_scheduler),
