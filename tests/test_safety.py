@@ -460,7 +460,7 @@ def test_flops_and_eval_bound_their_inputs(runs, tmp_path, capsys):
                           (["--steps", "999999999"], "steps must be in [1, 1,000,000]"),
                           (["--world-size", "0"], "--world-size must be >= 1, got 0")):
         with pytest.raises(SystemExit) as exit_info:
-            flops_tool.main(argv)
+            flops_tool.main(["--preset", "tinyllama-1.1b", *argv])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
     final = str(runs["dirs"]["base"] / "final_model")
     (tmp_path / "a_file").write_text("")
@@ -555,3 +555,10 @@ def test_kill9_inside_sync_and_async_saves_resumes_bit_identically(model, tmp_pa
         assert {r["step"] for r in records} == set(range(1, steps + 1)), note
         assert_logged_as_reference(records, ref, note)
         assert_same_final_model(dump, reference)
+
+
+def test_bench_checkpoint_prints_its_figures(tmp_path, capsys):
+    load_tool("bench_checkpoint").main(["--megabytes", "8", "--repeats", "1", "--folder", str(tmp_path / "bench")])
+    out = capsys.readouterr().out
+    assert "xxh3_128" in out and "with checksums + manifest" in out and "verification before it" in out, out
+    assert not (tmp_path / "bench").exists()

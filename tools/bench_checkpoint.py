@@ -25,6 +25,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from titan_recur.checkpoint import CheckpointManager, ModelState
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -75,8 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--folder", type=Path, default=Path("outputs/bench_checkpoint"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    rates = hash_throughput(256)
-    print(f"hash throughput (256 MiB in memory, one core): xxh3_128 {rates['xxh3_128']:,.0f} MB/s, "
+    rates = hash_throughput(args.megabytes)
+    print(f"hash throughput ({args.megabytes} MiB in memory, one core): xxh3_128 {rates['xxh3_128']:,.0f} MB/s, "
           f"sha256 {rates['sha256']:,.0f} MB/s")
     shutil.rmtree(args.folder, ignore_errors=True)
     args.folder.mkdir(parents=True)
