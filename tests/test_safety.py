@@ -14,10 +14,8 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -30,17 +28,13 @@ from tests.test_checkpoint import (
     ENV,
     LAUNCH_TIMEOUT,
     REPO_ROOT,
-    TRAIN,
     WORKERS_DIR,
-    _kill_group,
     assert_logged_as_reference,
     assert_same_final_model,
     error_line,
     read_metrics,
     resumed_step,
     run_single_jobs,
-    start_ranks,
-    wait_for_step,
     write_config,
 )
 from tests.test_train_distributed import make_model_dir
@@ -361,7 +355,7 @@ def test_a_loss_spike_stops_or_is_skipped(runs):
         ("blank", "the first 30 documents are all blank"),
         ("non_string", "field 'text' holds int '0', not text"),
         ("token_ids", "ids.parquet: token id 600 outside the tokenizer's vocabulary [0, 512)"),
-        ("hub", "cannot open hub dataset 'no-such-owner/no-such-dataset'"),
+        ("hub", "data source 'hub' (hf no-such-owner/no-such-dataset) cannot be read: "),
         ("load_step_tensorboard", "checkpoint.load_step=5: no complete checkpoint"),
     ],
 )
@@ -482,80 +476,75 @@ def test_config_checks_the_new_bounds():
             load_config(None, [*base, *override])
 
 
-# ------------------------------------------------------------------------------- stalls, timeouts
+# --------------------------------------------------------------- kill -9 during saves, stalls, timeouts
 
 
-def stall_run(tmp_path: Path, model: Path, *extra: str) -> tuple[int, float, str]:
-    """Two ranks started like srun does; SIGSTOP rank 1 after step 3. (rank 0's exit code, seconds, its log)."""
-    config = write_config(tmp_path / "run.toml", model, CORPUS_DATA)
-    dump = tmp_path / "dump"
-    args = [*TRAIN, "--config", str(config), "--job.dump_folder", str(dump), "--training.steps", "500",
-            "--checkpoint.interval", "1000", "--checkpoint.export_final", "false", *extra]
-    procs = start_ranks(args, nproc=2, logs=tmp_path)
-    try:
-        wait_for_step(dump, 3, procs, tmp_path / "rank0.log")
-        procs[1].send_signal(signal.SIGSTOP)
-        start = time.monotonic()
-        code = procs[0].wait(timeout=LAUNCH_TIMEOUT)
-        elapsed = time.monotonic() - start
-    finally:
-        for p in procs:
-            _kill_group(p)
-    return code, elapsed, (tmp_path / "rank0.log").read_text()
+@pytest.fixture(scope="module")
+def forked(model, tmp_path_factory) -> dict:
+    """The 2-rank scenarios, every rank forked from one worker that imported the trainer once: 10 kills
+    per async_mode at seeded random moments inside saves (one random rank first), then two launches
+    whose rank 1 is frozen by SIGSTOP after step 3 (the step watchdog; the collective timeout)."""
+    root = tmp_path_factory.mktemp("forked")
+    config = write_config(root / "run.toml", model, CORPUS_DATA)
+    steps, kills = 22, 10
+    seed = int(os.environ.get("TITAN_RECUR_KILL_SEED", "20261202"))
+    stall = ["--config", str(config), "--training.steps", "500", "--checkpoint.interval", "1000",
+             "--checkpoint.export_final", "false"]
+    spec = {"argv": ["--config", str(config), "--training.steps", str(steps), "--checkpoint.interval", "1",
+                     "--checkpoint.keep_latest_k", "3"],
+            "root": str(root), "world": 2, "kills": kills, "seed": seed, "steps": steps,
+            "modes": ["disabled", "async"],
+            "stalls": {"watchdog": {"argv": [*stall, "--training.step_timeout_s", "3", "--parallel.timeout_s", "300"],
+                                    "after_step": 3},
+                       "collective": {"argv": [*stall, "--training.step_timeout_s", "0", "--parallel.timeout_s", "4"],
+                                      "after_step": 3}}}
+    (root / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "kill_save_worker.py"), str(root / "spec.json"),
+                           str(root / "result.json")], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=3 * LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"spec": spec, **json.loads((root / "result.json").read_text())}
 
 
-def test_a_frozen_rank_ends_the_run_within_the_step_timeout(model, tmp_path):
-    code, elapsed, log = stall_run(tmp_path, model, "--training.step_timeout_s", "3", "--parallel.timeout_s", "300")
-    assert code == EXIT_STALLED, log[-3000:]
+def test_a_frozen_rank_ends_the_run_within_the_step_timeout(forked):
+    run = forked["stalls"]["watchdog"]
+    log = run["log"]
+    assert run["rc"] == EXIT_STALLED, log[-3000:]
     lines = [line for line in log.splitlines() if "has not finished after" in line]
     assert len(lines) == 1 and lines[0].startswith("[rank 0] step "), log[-3000:]
     assert "training.step_timeout_s = 3; last completed step" in lines[0]
     assert "no heartbeat from rank 1 for" in lines[0], lines[0]
-    assert elapsed < 3 + 30, elapsed  # the timeout, plus polling and a loaded machine
+    assert run["seconds"] < 3 + 30, run["seconds"]  # the timeout, plus polling and a loaded machine
 
 
-def test_a_collective_timeout_is_one_line_per_rank(model, tmp_path):
-    code, elapsed, log = stall_run(tmp_path, model, "--training.step_timeout_s", "0", "--parallel.timeout_s", "4")
-    assert code == EXIT_STALLED, log[-3000:]
+def test_a_collective_timeout_is_one_line_per_rank(forked):
+    run = forked["stalls"]["collective"]
+    log = run["log"]
+    assert run["rc"] == EXIT_STALLED, log[-3000:]
     lines = [line for line in log.splitlines() if "error:" in line]
     assert len(lines) == 1 and lines[0].startswith("[rank 0] error: a collective failed at step "), log[-3000:]
     assert "Timed out" in lines[0] and "parallel.timeout_s = 4" in lines[0] and "Traceback" not in log
-    assert elapsed < 4 + 30, elapsed
+    assert run["seconds"] < 4 + 30, run["seconds"]
 
 
-# ------------------------------------------------------------------------------ kill -9 during saves
-
-
-def test_kill9_inside_sync_and_async_saves_resumes_bit_identically(model, tmp_path):
-    """10 kills per mode at seeded random moments inside saves (one random rank first); each complete step
-    verifies after every kill; the finished runs equal an uninterrupted one bit for bit."""
-    config = write_config(tmp_path / "run.toml", model, CORPUS_DATA)
-    steps, kills = 22, 10
-    seed = int(os.environ.get("TITAN_RECUR_KILL_SEED", "20261202"))
-    spec = {"argv": ["--config", str(config), "--training.steps", str(steps), "--checkpoint.interval", "1",
-                     "--checkpoint.keep_latest_k", "3"],
-            "root": str(tmp_path), "world": 2, "kills": kills, "seed": seed, "steps": steps,
-            "modes": ["disabled", "async"]}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "kill_save_worker.py"), str(tmp_path / "spec.json"),
-                           str(tmp_path / "result.json")], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=3 * LAUNCH_TIMEOUT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "result.json").read_text())
-    reference = Path(result["reference"])
+def test_kill9_inside_sync_and_async_saves_resumes_bit_identically(forked):
+    """After every kill each complete step verifies; the finished runs equal an uninterrupted one bit for bit."""
+    spec = forked["spec"]
+    steps, kills, seed = spec["steps"], spec["kills"], spec["seed"]
+    reference = Path(forked["reference"])
     ref = read_metrics(reference)
     assert [r["step"] for r in ref] == list(range(1, steps + 1))
     for mode in spec["modes"]:
-        run = result[mode]
+        run = forked[mode]
         note = f"{mode}, TITAN_RECUR_KILL_SEED={seed}: {run['kills']}"
         assert run["final_rc"] == [0, 0], note
+        assert len(run["kills"]) == kills
         assert sum(k["in_save"] for k in run["kills"]) >= kills // 2, f"most kills land inside a save: {note}"
         dump = Path(run["dump"])
         records = read_metrics(dump)
         assert {r["step"] for r in records} == set(range(1, steps + 1)), note
         assert_logged_as_reference(records, ref, note)
         assert_same_final_model(dump, reference)
-
 
 def test_bench_checkpoint_prints_its_figures(tmp_path, capsys):
     load_tool("bench_checkpoint").main(["--megabytes", "8", "--repeats", "1", "--folder", str(tmp_path / "bench")])

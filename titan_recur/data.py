@@ -90,7 +90,7 @@ def open_source(s: DataSource) -> datasets.IterableDataset:
             try:
                 ds = datasets.load_dataset(s.path, name=s.hf_config, split=s.split, streaming=True)
             except (OSError, ValueError, FileNotFoundError) as err:  # offline, no such dataset, no such split
-                raise ValueError(f"data source {s.name or s.path!r}: cannot open hub dataset {s.path!r}: "
+                raise ValueError(f"data source {s.name or s.path!r} ({s.kind} {s.path}) cannot be read: "
                                  f"{type(err).__name__}: {_first_line(err)}") from None
         else:
             kwargs = {"sample_by": s.sample_by} if s.kind == "text" else {}

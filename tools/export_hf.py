@@ -20,6 +20,8 @@ import argparse
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's titan_recur, as the other tools
+
 from titan_recur.checkpoint import CheckpointError
 from titan_recur.eval.loading import DTYPES, default_tokenizer_folder, load_checkpoint
 from titan_recur.hf.export import export_hf

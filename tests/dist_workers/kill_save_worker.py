@@ -1,7 +1,9 @@
-"""kill -9 at random moments inside checkpoint saves of a 2-rank run, then resume; see tests/test_safety.py.
+"""kill -9 at random moments inside checkpoint saves of a 2-rank run, then resume; and frozen ranks
+(SIGSTOP). See tests/test_safety.py.
 
 Usage: kill_save_worker.py SPEC.json RESULT.json. SPEC: {"argv": trainer args (without the dump folder),
-"root": folder, "world": 2, "kills": 10, "seed": int, "steps": int, "modes": ["disabled", "async"]}.
+"root": folder, "world": 2, "kills": 10, "seed": int, "steps": int, "modes": ["disabled", "async"],
+"stalls": {NAME: {"argv": trainer args (without the dump folder), "after_step": int}}}.
 
 This process imports the trainer once and forks every rank of every launch from itself (gloo, CPU),
 so a launch costs a process-group start and a Trainer build, not an interpreter start. It runs one
@@ -10,8 +12,10 @@ appearing); then per checkpoint.async_mode ``kills`` launches, each killed (SIGK
 the other up to 20 ms later) a random fraction (0-1.5) of a save duration after the ``.partial``
 folder of the next or second-next step appeared; after each kill it checks every complete step folder
 against its manifest; then a final launch runs to the end. The draws come from
-``random.Random(seed)``. RESULT: {"reference": dump, "save_seconds": [...], MODE: {"dump", "kills":
-[{"step", "delay", "in_save", "complete"}], "final_rc"}}.
+``random.Random(seed)``. Each stall launch SIGSTOPs the last rank once ``after_step`` is logged and
+records how long rank 0 takes to exit. RESULT: {"reference": dump, "save_seconds": [...], MODE: {"dump",
+"kills": [{"step", "delay", "in_save", "complete"}], "final_rc"}, "stalls": {NAME: {"rc": rank 0's exit
+code, "seconds": from the SIGSTOP to that exit, "log": rank 0's output}}}.
 """
 
 from __future__ import annotations
@@ -148,6 +152,28 @@ def killed_runs(argv: list[str], world: int, steps: int, kills: int, dump: Path,
     return {"dump": str(dump), "kills": records, "final_rc": final}
 
 
+def stall_run(argv: list[str], world: int, after_step: int, dump: Path, log: Path) -> dict:
+    """Freeze the last rank (SIGSTOP) once ``after_step`` is logged; rank 0's exit code and time to exit."""
+    metrics = dump / "metrics.jsonl"
+    run = Launch([*argv, "--job.dump_folder", str(dump)], world, log)
+
+    def logged() -> bool:
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        return any(json.loads(line)["step"] >= after_step for line in lines if line.endswith("}"))
+
+    if not run.wait_until(logged):
+        raise SystemExit(f"the stall launch ended before step {after_step}: {run.wait()}; see {log}.rank*")
+    os.kill(run.pids[-1], signal.SIGSTOP)
+    start = time.monotonic()
+    code = os.waitstatus_to_exitcode(os.waitpid(run.pids[0], 0)[1])
+    seconds = time.monotonic() - start
+    run.codes[run.pids[0]] = code
+    for pid in run.pids[1:]:
+        os.kill(pid, signal.SIGKILL)
+    run.wait()
+    return {"rc": code, "seconds": seconds, "log": Path(f"{log}.rank0").read_text()}
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     root, world, steps = Path(spec["root"]), spec["world"], spec["steps"]
@@ -158,6 +184,8 @@ def main() -> None:
     for mode in spec["modes"]:
         argv = [*spec["argv"], "--checkpoint.async_mode", mode]
         result[mode] = killed_runs(argv, world, steps, spec["kills"], root / mode, save_s, rng, root)
+    result["stalls"] = {name: stall_run(stall["argv"], world, stall["after_step"], root / name, root / f"{name}.log")
+                        for name, stall in spec.get("stalls", {}).items()}
     Path(sys.argv[2]).write_text(json.dumps(result))
 
 
