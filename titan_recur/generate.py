@@ -130,10 +130,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out = generate(model, input_ids.to(device), options, attention_mask=attention_mask.to(device))
         seconds += time.perf_counter() - began
         cache_bytes = max(cache_bytes, out.kv_cache_bytes)
-        for tokens, steps in zip(out.tokens.tolist(), out.steps.tolist()):
-            n = tokens.index(tokenizer.eos_id) + 1 if tokenizer.eos_id in tokens else len(tokens)
-            text_tokens = tokens[: n - 1] if tokens[n - 1 : n] == [tokenizer.eos_id] else tokens[:n]
-            results.append({"text": tokenizer.decode(text_tokens), "tokens": tokens[:n], "steps_per_token": steps[:n],
+        for tokens, steps, n in zip(out.tokens.tolist(), out.steps.tolist(), out.lengths.tolist()):
+            text = tokenizer.decode([t for t in tokens[:n] if t != tokenizer.eos_id])
+            results.append({"text": text, "tokens": tokens[:n], "steps_per_token": steps[:n],
                             "mean_steps": sum(steps[:n]) / n})
     for text, result in zip(texts, results):
         result["prompt"] = text

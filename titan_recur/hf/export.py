@@ -39,8 +39,10 @@ INLINED_MODULES = (
     "titan_recur.models.args",
     "titan_recur.models.rope",
     "titan_recur.models.blocks",
+    "titan_recur.models.cache",
     "titan_recur.models.model",
     "titan_recur.models.loss",
+    "titan_recur.models.generate",
     "titan_recur.hf.modeling_titan_recur",
 )
 # Inference defaults, stored at the top level of the HF config (see configuration_titan_recur.py).

@@ -117,11 +117,14 @@ class GenerationOutput:
     """tokens (B, N): the new tokens (rows that finished early continue with eos_id); steps (B, N):
     core iterations each token's forward ran (0 once its row had finished); head_calls (B, N):
     coda + head evaluations per token (1, plus one per check for the logit-based exit criteria);
-    kv_cache_bytes: the allocated K/V buffers; logits (B, N, V) fp32 when asked for."""
+    lengths (B,): tokens each row generated before it finished (its EOS, or the token completing a
+    stop sequence, included); kv_cache_bytes: the allocated K/V buffers; logits (B, N, V) fp32 when
+    asked for."""
 
     tokens: torch.Tensor
     steps: torch.Tensor
     head_calls: torch.Tensor
+    lengths: torch.Tensor
     kv_cache_bytes: int
     logits: torch.Tensor | None = None
 
@@ -175,6 +178,7 @@ def generate(
     generator = torch.Generator(device).manual_seed(opts.seed) if opts.temperature > 0 else None
     step = decoder.forward(input_ids, positions, keys, running=None, warm_state=None)
     finished = torch.zeros(bsz, dtype=torch.bool, device=device)
+    lengths = torch.zeros(bsz, dtype=torch.long, device=device)
     tokens, steps, head_calls, logits = [], [], [], []
     for t in range(opts.max_new_tokens):
         if return_logits:
@@ -185,6 +189,7 @@ def generate(
         tokens.append(token)
         steps.append(step.steps.masked_fill(finished, 0))
         head_calls.append(step.head_calls.masked_fill(finished, 0))
+        lengths += ~finished
         if opts.eos_id is not None:
             finished |= token == opts.eos_id
         if stop is not None:
@@ -198,7 +203,7 @@ def generate(
         step = decoder.forward(fed[:, None], positions, keys, running=~finished, warm_state=warm)
     return GenerationOutput(
         tokens=torch.stack(tokens, dim=1), steps=torch.stack(steps, dim=1), head_calls=torch.stack(head_calls, dim=1),
-        kv_cache_bytes=cache.nbytes(), logits=torch.stack(logits, dim=1) if return_logits else None,
+        lengths=lengths, kv_cache_bytes=cache.nbytes(), logits=torch.stack(logits, dim=1) if return_logits else None,
     )
 
 
