@@ -8,8 +8,10 @@ Every model is tiny and fp32, built inline.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -349,3 +351,170 @@ def test_bad_prompts_are_one_line_errors(model: RecurrentLM) -> None:
     static = build(n_core=0)
     with pytest.raises(ValueError, match="static model"):
         generate(static, torch.ones(1, 3, dtype=torch.long), GenerationOptions(exit_criterion="kl"))
+
+
+# --- compile ------------------------------------------------------------------------------------
+
+
+def test_compiled_decode_step_is_one_graph_for_every_iteration_and_token(model, monkeypatch) -> None:
+    """Static cache shapes, slots chosen outside the graph: no recompile per token or iteration.
+    (backend aot_eager: the graph capture and functionalised cache writes are what is tested;
+    tools/bench_generate.py --compile runs inductor.)"""
+    import functools
+
+    import torch._dynamo
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    ids, mask = left_pad(prompts(), 0)
+    options = GenerationOptions(max_new_tokens=5, num_steps=4, exit_criterion="latent-diff", exit_threshold=0.9)
+    eager = generate(model, ids, options, attention_mask=mask)
+    compiled = generate(model, ids, dataclasses.replace(options, compile=True), attention_mask=mask)
+    assert compiled.tokens.tolist() == eager.tokens.tolist() and compiled.steps.tolist() == eager.steps.tolist()
+    assert len(set(eager.steps[:, 1:].flatten().tolist())) > 1  # masked writes of frozen rows were compiled too
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
+# --- CLI, lm-eval, HF export ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random model folder (vocab 512, random adapter: depth matters) with the bundled tokenizer."""
+    folder = tmp_path_factory.mktemp("generate") / "model"
+    save_model(build(vocab_size=512, dim=32, max_seq_len=128, state_init="zero", eos_id=2, pad_id=0, bos_id=1),
+               folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "assets" / "tokenizer" / name, folder / name)
+    return folder
+
+
+CLI_PROMPTS = ["Question: What is 3 + 4?\nAnswer:", "The sum", "Mia has nine apples and gives two away, so she"]
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = generate_main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_json_fields_and_batched_equals_single(model_dir: Path, tmp_path: Path, capsys) -> None:
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CLI_PROMPTS))
+    common = ["--checkpoint", str(model_dir), "--num-steps", "6", "--kv-sharing", "latest", "--exit", "entropy-diff",
+              "--exit-threshold", "1e-3", "--max-new-tokens", "12", "--json"]
+    code, out, err = run_cli(capsys, *common, "--prompts", str(prompts_file), "--batch-size", "3")
+    assert code == 0, err
+    report = json.loads(out)
+    assert set(report) == {"prompts", "mean_steps", "kv_cache_bytes", "tokens_per_sec", "settings"}
+    assert report["kv_cache_bytes"] > 0 and report["tokens_per_sec"] > 0
+    assert report["settings"]["kv_sharing"] == "latest" and report["settings"]["exit_criterion"] == "entropy-diff"
+    from titan_recur.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    steps = []
+    for prompt, result in zip(CLI_PROMPTS, report["prompts"]):
+        assert set(result) == {"prompt", "text", "tokens", "steps_per_token", "mean_steps"}
+        assert result["prompt"] == prompt and len(result["steps_per_token"]) == len(result["tokens"]) > 0
+        assert result["mean_steps"] == pytest.approx(sum(result["steps_per_token"]) / len(result["tokens"]))
+        assert result["text"] == tokenizer.decode([t for t in result["tokens"] if t != tokenizer.eos_id])
+        steps += result["steps_per_token"]
+        code, out, _ = run_cli(capsys, *common, "--prompt", prompt)
+        alone = json.loads(out)["prompts"][0]
+        assert (alone["tokens"], alone["steps_per_token"]) == (result["tokens"], result["steps_per_token"])
+    assert len(set(steps)) > 1 and max(steps) <= 6
+    code, out, _ = run_cli(capsys, "--checkpoint", str(model_dir), "--prompt", "The sum", "--max-new-tokens", "4")
+    assert code == 0 and out.startswith("### prompt 0: ") and "The sum" in out and "tokens/s" in out
+
+
+def test_cli_bad_input_is_one_line_before_decoding(model_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    import titan_recur.generate as cli
+
+    monkeypatch.setattr(cli, "generate", lambda *a, **k: pytest.fail("decoding started"))
+    empty_line = tmp_path / "empty.jsonl"
+    empty_line.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": " "}) + "\n")
+    base = ["--checkpoint", str(model_dir), "--num-steps", "4"]
+    cases = {
+        "exit_criterion must be one of kl, latent-diff, entropy-diff, argmax, got 'entropy'":
+            [*base, "--prompt", "a", "--exit", "entropy"],
+        "kv_sharing must be 'full', 'latest' or 'compress-N' with N >= 1, got 'compress'":
+            [*base, "--prompt", "a", "--kv-sharing", "compress"],
+        "exit_threshold must be > 0, got 0.0": [*base, "--prompt", "a", "--exit", "kl", "--exit-threshold", "0"],
+        "min_steps must be an integer in [1, max_steps = num_steps = 4], got 5":
+            [*base, "--prompt", "a", "--exit", "kl", "--min-steps", "5"],
+        "max_new_tokens (200) exceeds the model's max_seq_len (128)": [*base, "--prompt", "a", "--max-new-tokens", "200"],
+        "--prompt is empty": [*base, "--prompt", ""],
+        f"{empty_line}:2: empty prompt": [*base, "--prompts", str(empty_line)],
+        "argument --min-steps: invalid int value: 'x'": [*base, "--prompt", "a", "--min-steps", "x"],
+    }
+    for message, argv in cases.items():
+        with pytest.raises(SystemExit) if "argument" in message else nullcontext():
+            code, out, err = run_cli(capsys, *argv)
+            assert code == 2 and not out, message
+            assert len(err.strip().splitlines()) == 1 and message in err, (message, err)
+        if "argument" in message:
+            err = capsys.readouterr().err
+            assert len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_lm_eval_model_and_harness_sweep_exit_thresholds(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """generate_until through the engine with adaptive exit: batch size changes nothing, depth is counted per
+    task, and the harness table and compute curve carry it."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from titan_recur.eval.harness import CURVE_PNG, ITERATIONS, harness_sweep, results_table, write_results
+    from titan_recur.eval.lm_eval_model import TitanRecurLM
+
+    import lm_eval.evaluator
+
+    monkeypatch.chdir(REPO)  # the tiny task names its data relative to the repository
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # lm_eval's environment report runs pip in subprocesses (~5 s per evaluation); not what is tested.
+    monkeypatch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)
+    manager = TaskManager(include_path=str(REPO / "tests" / "assets_lm_eval"), include_defaults=False)
+    args = dict(pretrained=str(model_dir), num_steps=6, kv_sharing="compress-2", exit_criterion="argmax",
+                max_gen_toks=8)
+    lm = TitanRecurLM(**args, batch_size=4)
+    results = harness_sweep(lm, ["titan_recur_tiny_gen", "titan_recur_tiny_choice"], [6], manager,
+                            exit_thresholds=[1, 3], limit=3, log_samples=True)
+    assert list(results) == ["6@1", "6@3"]
+    rows = {(row["task"], row["metric"]): row for row in results_table(results)}
+    gen = rows[("titan_recur_tiny_gen", ITERATIONS)]
+    assert gen["6@1"] < gen["6@3"] <= 6  # tokens exit early, more so at the lower threshold
+    assert rows[("titan_recur_tiny_choice", ITERATIONS)] == {"task": "titan_recur_tiny_choice", "metric": ITERATIONS,
+                                                             "6@1": 6.0, "6@3": 6.0}  # scoring runs r
+    alone = TitanRecurLM(**args, exit_threshold=1, batch_size=1)
+    single = simple_evaluate(model=alone, tasks=["titan_recur_tiny_gen"], task_manager=manager, limit=3,
+                             log_samples=True)
+    def responses(result):
+        return [s["resps"] for s in result["samples"]["titan_recur_tiny_gen"]]
+    assert responses(single) == responses(results["6@1"])
+    tokens, iterations = alone.depth_stats["titan_recur_tiny_gen"]
+    assert iterations / tokens == gen["6@1"]
+    write_results(results, tmp_path)
+    assert (tmp_path / CURVE_PNG).stat().st_size > 1000 and (tmp_path / "results_r6@3.json").is_file()
+    with pytest.raises(ValueError, match="min_steps"):
+        TitanRecurLM(**{**args, "min_steps": 7})
+
+
+def test_hf_export_generate_takes_the_depth_knobs(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from titan_recur.hf.export import export_hf
+    from titan_recur.models.io import load_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    export_hf(load_model(model_dir), tmp_path / "hf", tokenizer_folder=model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    ids, mask = left_pad([[5, 6, 7], [8, 9, 10, 11, 12]], 0)
+    knobs = dict(num_steps=6, kv_sharing="latest", exit_criterion="kl", exit_threshold=1e-2, min_steps=2,
+                 state_init="previous")
+    expected = generate(load_model(model_dir), ids, GenerationOptions(max_new_tokens=10, **knobs),
+                        attention_mask=mask)
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, **knobs)
+    assert torch.equal(out[:, ids.shape[1]:], expected.tokens)
+    assert expected.steps[:, 1:].float().mean() < 6
+    with pytest.raises(ValueError, match="num_beams=1"):
+        hf.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2, kv_sharing="latest")
