@@ -27,6 +27,7 @@ import re
 import torch
 import torch.nn.functional as F
 
+from titan_recur.models.args import ModelArgs
 from titan_recur.models.blocks import BlockSlot
 
 KV_SHARING_MODES = ("full", "latest", "compress-N")
@@ -104,6 +105,14 @@ class KVCache:
             n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, num_steps=num_steps, kv_sharing=kv_sharing,
             dtype=weight.dtype, device=weight.device, static_shapes=static_shapes,
         )
+
+    @staticmethod
+    def planned_bytes(
+        args: ModelArgs, batch_size: int, capacity: int, num_steps: int, kv_sharing: str, element_size: int
+    ) -> int:
+        """Bytes a cache for ``args`` would allocate: (P + C + R x slots per block) x 2 x B x H_kv x L x D x size."""
+        slots = args.n_prelude + args.n_coda + args.n_core * core_slots_per_block(kv_sharing, num_steps)
+        return slots * 2 * batch_size * args.n_kv_heads * capacity * args.head_dim * element_size
 
     @property
     def capacity(self) -> int:
