@@ -1,20 +1,26 @@
-"""Benchmark: decoding speed and KV-cache size of the generation engine vs the old concatenating cache.
+"""Benchmark the generation engine (docs/generation.md): decoding speed, and the quality of cheaper depth.
 
-For each batch size and recurrence r, 256 new tokens after a 32-token prompt, greedy, on a random
-model (default: (P,R,C) = (1,2,1), d 256, 4 heads (2 KV), FFN 768, vocab 512, fp32):
+speed: for each batch size and recurrence r, greedy decoding of --new-tokens after a --prompt-len
+prompt on a random model (default (P,R,C) = (1,2,1), d 256, 4 heads (2 KV), FFN 768, vocab 512,
+fp32), by
+- ``cat``: the decoder before the engine (kept here only, for comparison): K/V per (block, iteration)
+  grown with ``torch.cat`` at every token, the attention mask grown the same way;
+- ``full``, ``latest``: the engine with its preallocated cache; ``--compile`` adds ``full+compile`` and
+  ``latest+compile`` (decoded tokens' core iterations compiled, static cache shapes).
+tokens/s counts new tokens of the whole batch (prompt included in the time) per second of wall time
+and per CPU second of this process (the figure to trust on a loaded CPU machine; on a GPU use wall).
+Each configuration is warmed up on the same shapes (stopping after 4 tokens), then timed.
 
-- ``cat``: the pre-engine decoder (kept here only, for comparison): a dict of K/V per (block,
-  iteration) grown with ``torch.cat`` at every token, the attention mask grown the same way;
-- ``full``, ``latest``: the engine (titan_recur.models.generate) with its preallocated cache;
-  ``--compile`` adds ``full+compile`` / ``latest+compile`` (the core iteration compiled, static shapes).
+quality: teacher-forced decoding of held-out rows through the cache (prompt --prompt-len tokens, then
+--new-tokens given tokens fed back one at a time): loss, agreement of each position's greedy token
+with "full" at r, and mean core iterations per decoded token, for full at lower r, "latest",
+"compress-2" and adaptive exit at each --thresholds.
 
-tokens/s counts new tokens of the whole batch per second of wall time and per CPU second of this
-process (the figure to trust on a loaded machine; CPU time includes every thread's). Each
-configuration runs once untimed (warm-up) and is then timed ``--repeats`` times (best kept).
-
-    OMP_NUM_THREADS=1 python tools/bench_generate.py
-    python tools/bench_generate.py --device cuda --dtype bfloat16 --dim 2048 --heads 32 --kv-heads 8 \\
-        --ffn 8192 --vocab 128256 --shape 4,6,4 --batch-sizes 1,8,32 --compile
+    OMP_NUM_THREADS=1 python tools/bench_generate.py speed
+    python tools/bench_generate.py speed --device cuda --dtype bfloat16 --dim 2048 --heads 32 --kv-heads 8 \\
+        --ffn 8192 --vocab 128256 --shape 4,6,4 --batch-sizes 1,8,32 --prompt-len 512 --compile
+    OMP_NUM_THREADS=1 python tools/bench_generate.py quality --checkpoint outputs/gen_quality/final_model \\
+        --config train_configs/debug_model.toml --num-steps 8
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from titan_recur import ModelArgs, RecurrentLM  # noqa: E402
 from titan_recur.models.generate import GenerationOptions, generate  # noqa: E402
@@ -56,7 +63,7 @@ class ConcatKVCache:
 
 @torch.no_grad()
 def concat_generate(model: RecurrentLM, input_ids: torch.Tensor, new_tokens: int, num_steps: int) -> int:
-    """The pre-engine greedy loop (model.forward with a growing cache and mask); returns the cache bytes."""
+    """The decoder before the engine (model.forward with a growing cache and mask); returns the cache bytes."""
     attention_mask = torch.ones_like(input_ids)
     cache = ConcatKVCache()
     step_input = input_ids
@@ -69,22 +76,42 @@ def concat_generate(model: RecurrentLM, input_ids: torch.Tensor, new_tokens: int
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--ffn", type=int, default=768)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--shape", default="1,2,1", help="P,R,C")
-    parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--recurrences", default="1,4,32")
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--engines", default="cat,full,latest", help="subset of cat,full,latest")
-    parser.add_argument("--compile", action="store_true", help="also time the engine with a compiled core iteration")
+    commands = parser.add_subparsers(dest="command", required=True)
+    speed = commands.add_parser("speed", help="tokens/s of the engine vs the concatenating cache")
+    speed.add_argument("--device", default="cpu")
+    speed.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    speed.add_argument("--dim", type=int, default=256)
+    speed.add_argument("--heads", type=int, default=4)
+    speed.add_argument("--kv-heads", type=int, default=2)
+    speed.add_argument("--ffn", type=int, default=768)
+    speed.add_argument("--vocab", type=int, default=512)
+    speed.add_argument("--shape", default="1,2,1", help="P,R,C")
+    speed.add_argument("--batch-sizes", default="1,8")
+    speed.add_argument("--recurrences", default="1,4,32")
+    speed.add_argument("--prompt-len", type=int, default=32)
+    speed.add_argument("--new-tokens", type=int, default=256)
+    speed.add_argument("--engines", default="cat,full,latest", help="subset of cat,full,latest")
+    speed.add_argument("--compile", action="store_true", help="also time the engine with compiled core iterations")
+
+    quality = commands.add_parser("quality", help="loss and token agreement of cheaper depth vs full")
+    quality.add_argument("--checkpoint", required=True, help="model folder")
+    source = quality.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="train config TOML: its validation split")
+    source.add_argument("--data", help="held-out file (.jsonl/.parquet/text)")
+    quality.add_argument("--num-steps", type=int, default=8, help="r of the reference and max_steps of exits")
+    quality.add_argument("--lower-steps", default="1,2,4", help="full at these r too (the fixed-depth baseline)")
+    quality.add_argument("--criterion", default="kl")
+    quality.add_argument("--thresholds", default="1e-2,1e-3,1e-4")
+    quality.add_argument("--min-steps", type=int, default=1)
+    quality.add_argument("--kv-sharing-modes", default="latest,compress-2")
+    quality.add_argument("--prompt-len", type=int, default=32)
+    quality.add_argument("--new-tokens", type=int, default=96)
+    quality.add_argument("--batches", type=int, default=4)
+    quality.add_argument("--batch-size", type=int, default=8)
     return parser.parse_args(argv)
+
+
+# --- speed --------------------------------------------------------------------------------------
 
 
 def build_model(args: argparse.Namespace) -> RecurrentLM:
@@ -105,22 +132,7 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_run(run, new_tokens: int, device: str, repeats: int) -> tuple[float, float, int]:
-    """(best wall s, best CPU s, cache bytes) over ``repeats`` timed runs after a warm-up that stops at 4
-    tokens (sized for ``new_tokens``, so a compiled step compiles for the timed shapes)."""
-    run(new_tokens, 4)
-    best_wall = best_cpu = float("inf")
-    nbytes = 0
-    for _ in range(repeats):
-        synchronize(device)
-        wall, cpu = time.perf_counter(), time.process_time()
-        nbytes = run(new_tokens, new_tokens)
-        synchronize(device)
-        best_wall, best_cpu = min(best_wall, time.perf_counter() - wall), min(best_cpu, time.process_time() - cpu)
-    return best_wall, best_cpu, nbytes
-
-
-def engine_run(model, input_ids, r: int, kv_sharing: str, compile: bool):
+def engine_run(model: RecurrentLM, input_ids: torch.Tensor, r: int, kv_sharing: str, compile: bool):
     def run(new_tokens: int, stop_after: int) -> int:
         options = GenerationOptions(max_new_tokens=new_tokens, num_steps=r, kv_sharing=kv_sharing, compile=compile)
         stop = lambda tokens: torch.full((tokens.shape[0],), tokens.shape[1] >= stop_after)  # noqa: E731
@@ -129,15 +141,24 @@ def engine_run(model, input_ids, r: int, kv_sharing: str, compile: bool):
     return run
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def time_run(run, new_tokens: int, device: str) -> tuple[float, float, int]:
+    """(wall s, CPU s, cache bytes) of one run, after a warm-up on the same shapes that stops at 4 tokens."""
+    run(new_tokens, 4)
+    synchronize(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    nbytes = run(new_tokens, new_tokens)
+    synchronize(device)
+    return time.perf_counter() - wall, time.process_time() - cpu, nbytes
+
+
+def run_speed(args: argparse.Namespace) -> None:
     model = build_model(args)
     engines = args.engines.split(",")
     print(f"# {args.shape} d={args.dim} heads={args.heads}/{args.kv_heads} ffn={args.ffn} vocab={args.vocab} "
           f"{args.dtype} {args.device}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
           f"threads={torch.get_num_threads()}")
-    print("| batch | r | engine | tokens/s (wall) | tokens/s (CPU s) | speed-up vs cat (CPU s) | KV cache MiB |")
-    print("|---:|---:|---|---:|---:|---:|---:|")
+    print("| batch | r | engine | tokens/s (wall) | tokens/s (CPU s) | vs cat (wall) | vs cat (CPU s) | KV cache MiB |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
     for bsz in (int(v) for v in args.batch_sizes.split(",")):
         gen = torch.Generator().manual_seed(bsz)
         input_ids = torch.randint(0, args.vocab, (bsz, args.prompt_len), generator=gen).to(args.device)
@@ -152,12 +173,62 @@ def main(argv: list[str] | None = None) -> int:
                         runs[f"{mode}+compile"] = engine_run(model, input_ids, r, mode, compile=True)
             baseline = None
             for name, run in runs.items():
-                wall, cpu, nbytes = time_run(run, args.new_tokens, args.device, args.repeats)
+                wall, cpu, nbytes = time_run(run, args.new_tokens, args.device)
+                baseline = baseline or ((wall, cpu) if name == "cat" else None)
+                ratios = [f"{b / t:.2f}" for b, t in zip(baseline, (wall, cpu))] if baseline else ["-", "-"]
                 tokens = bsz * args.new_tokens
-                baseline = baseline or (cpu if name == "cat" else None)
-                speedup = f"{baseline / cpu:.2f}" if baseline else "-"
-                print(f"| {bsz} | {r} | {name} | {tokens / wall:.1f} | {tokens / cpu:.1f} | {speedup} | "
+                print(f"| {bsz} | {r} | {name} | {tokens / wall:.1f} | {tokens / cpu:.1f} | {ratios[0]} | {ratios[1]} | "
                       f"{nbytes / 2**20:.2f} |", flush=True)
+
+
+# --- quality ------------------------------------------------------------------------------------
+
+
+def heldout_rows(args: argparse.Namespace, tokenizer) -> list[torch.Tensor]:
+    from titan_recur.eval.sweep import heldout_batches
+
+    batches = heldout_batches(tokenizer, seq_len=args.prompt_len + args.new_tokens, batch_size=args.batch_size,
+                              num_batches=args.batches, data=args.data, config=args.config)
+    return [batch["input_ids"] for batch in batches]
+
+
+def run_quality(args: argparse.Namespace) -> None:
+    from titan_recur.eval.loading import load_checkpoint
+    from titan_recur.tokenizer import load_tokenizer
+
+    model = load_checkpoint(args.checkpoint)
+    rows = heldout_rows(args, load_tokenizer(args.checkpoint))
+    r, p = args.num_steps, args.prompt_len
+    settings = {f"full r={r}": dict(num_steps=r)}
+    settings.update({f"full r={k}": dict(num_steps=k) for k in map(int, args.lower_steps.split(",")) if k != r})
+    settings.update({f"{mode} r={r}": dict(num_steps=r, kv_sharing=mode) for mode in args.kv_sharing_modes.split(",")})
+    for threshold in map(float, args.thresholds.split(",")):
+        settings[f"full r={r}, exit {args.criterion} < {threshold:g}"] = dict(
+            num_steps=r, exit_criterion=args.criterion, exit_threshold=threshold, min_steps=args.min_steps)
+    print(f"# {args.checkpoint}: {sum(len(b) for b in rows)} held-out rows, prompt {p} tokens, "
+          f"{args.new_tokens} teacher-forced tokens each")
+    print("| setting | loss | greedy agreement with full | mean iterations / token | of r | coda+head calls / token |")
+    print("|---|---:|---:|---:|---:|---:|")
+    reference = None
+    for name, knobs in settings.items():
+        losses, argmaxes, steps, calls = [], [], [], []
+        for ids in rows:
+            options = GenerationOptions(max_new_tokens=args.new_tokens, **knobs)
+            out = generate(model, ids[:, :p], options, forced_tokens=ids[:, p:], return_logits=True)
+            losses.append(F.cross_entropy(out.logits.flatten(0, 1), ids[:, p:].flatten(), reduction="none"))
+            argmaxes.append(out.logits.argmax(-1))
+            steps.append(out.steps[:, 1:].float())  # decoded tokens (the first comes from the prompt's r)
+            calls.append(out.head_calls[:, 1:].float())
+        argmax = torch.cat(argmaxes)
+        reference = argmax if reference is None else reference
+        mean_steps = float(torch.cat(steps).mean())
+        print(f"| {name} | {float(torch.cat(losses).mean()):.4f} | {float((argmax == reference).float().mean()):.4f} | "
+              f"{mean_steps:.2f} | {mean_steps / r:.0%} | {float(torch.cat(calls).mean()):.2f} |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    (run_speed if args.command == "speed" else run_quality)(args)
     return 0
 
 
