@@ -168,12 +168,13 @@ def test_wsd_factor_boundaries() -> None:
 
     assert f(0) == 0.01
     assert f(5) == pytest.approx(0.01 + 0.99 * 0.5)
-    assert f(10) == 1.0 and f(49) == 1.0
-    assert f(50) == pytest.approx(0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi / 50)))
-    assert f(50) < 1.0
-    assert f(74, "linear") == pytest.approx(0.01 + 0.99 * 0.5)
-    assert f(99) == pytest.approx(0.01, abs=1e-15) and f(99, "linear") == 0.01
-    assert f(150) == pytest.approx(0.01, abs=1e-15)
+    # transformers' get_wsd_schedule (the reference's): decay progress (step - 50) / 50 over steps 50..100.
+    assert f(10) == 1.0 and f(49) == 1.0 and f(50) == 1.0
+    assert f(51) == pytest.approx(0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi / 50)))
+    assert f(75, "linear") == pytest.approx(0.01 + 0.99 * 0.5)
+    assert f(99) == pytest.approx(0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * 49 / 50)))
+    assert f(99, "linear") == pytest.approx(0.01 + 0.99 / 50)
+    assert f(100) == pytest.approx(0.01, abs=1e-15) and f(150) == pytest.approx(0.01, abs=1e-15)
     assert f(0, warmup=0.0) == 1.0 and f(99, decay=0.0) == 1.0
     assert f(7, warmup=0.07) == 1.0  # 0.07 * 100 = 7.000000000000001 must still mean 7 warmup steps
     assert f(5, warmup=0.6, decay=0.6) == pytest.approx(0.01 + 0.99 * 5 / 60)  # overlap: the smaller factor

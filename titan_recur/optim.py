@@ -332,11 +332,12 @@ def wsd_factor(
 ) -> float:
     """LR multiplier of optimizer step `step` (0-based: the factor the step-th optimizer.step() uses).
 
-    Warmup: W = ceil(warmup_fraction * total) steps, factor min + (1 - min) * step / W, so step 0
-    uses min_lr_factor and step W the full LR. Decay: the last D = ceil(decay_fraction * total)
-    steps, progress (step - (total - D) + 1) / D, so the first decay step is already below 1 and
-    the final step (total - 1) uses exactly min_lr_factor; later steps keep the final factor. If the
-    two phases overlap the smaller factor wins.
+    The reference's warmup-stable-decay (transformers' ``get_wsd_schedule``). Warmup: W =
+    ceil(warmup_fraction * total) steps, factor min + (1 - min) * step / W, so step 0 uses
+    min_lr_factor and step W the full LR. Decay: the last D = ceil(decay_fraction * total) steps,
+    progress (step - (total - D)) / D, so the first decay step still uses the full LR and the factor
+    reaches min_lr_factor at step total (after the last update); later steps keep it. If the two
+    phases overlap the smaller factor wins.
     """
     if decay_type not in ("cosine", "linear"):
         raise ValueError(f"decay_type must be 'cosine' or 'linear', got {decay_type!r}")
@@ -346,7 +347,7 @@ def wsd_factor(
     if step < warmup:
         factor = min_lr_factor + (1.0 - min_lr_factor) * step / warmup
     if decay > 0 and step >= total_steps - decay:
-        progress = min(1.0, (step - (total_steps - decay) + 1) / decay)
+        progress = min(1.0, (step - (total_steps - decay)) / decay)
         shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if decay_type == "cosine" else 1.0 - progress
         factor = min(factor, min_lr_factor + (1.0 - min_lr_factor) * shape)
     return factor

@@ -3,8 +3,8 @@
 Where a looped block breaks TorchTitan's assumptions:
 - The recurrent core is ONE FSDP unit (the loop owner), so its weights are all-gathered once in forward
   and once in backward and reduce-scattered once per step, whatever the number of iterations.
-- Compile wraps each block, never the loop: the loop stays plain Python, so the number of iterations
-  never enters a graph and never triggers a recompile.
+- Compile wraps each prelude/coda block and one whole core iteration, never the loop: the loop stays
+  plain Python, so the number of iterations never enters a graph and never triggers a recompile.
 - Activation checkpointing of the core is per grad-carrying iteration; no-grad iterations store nothing.
 """
 
@@ -22,8 +22,8 @@ from titan_recur.config import AC_MODES
 from titan_recur.models.model import RecurrentLM
 
 
-def build_dp_mesh(device_type: str, world_size: int, dp_replicate: int, dp_shard: int) -> DeviceMesh:
-    """1-D mesh for FSDP, 2-D (dp_replicate, dp_shard) for HSDP; dp_shard=-1 takes the rest of the world."""
+def dp_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int) -> tuple[int, int]:
+    """(replicas, shards) of the data-parallel mesh; dp_shard=-1 takes the rest of the world."""
     if dp_shard == -1:
         if world_size % dp_replicate:
             raise ValueError(f"world size {world_size} is not divisible by parallel.dp_replicate={dp_replicate}")
@@ -33,6 +33,12 @@ def build_dp_mesh(device_type: str, world_size: int, dp_replicate: int, dp_shard
             f"parallel.dp_replicate ({dp_replicate}) x parallel.dp_shard ({dp_shard}) = "
             f"{dp_replicate * dp_shard} does not match the world size {world_size}"
         )
+    return dp_replicate, dp_shard
+
+
+def build_dp_mesh(device_type: str, world_size: int, dp_replicate: int, dp_shard: int) -> DeviceMesh:
+    """1-D mesh for FSDP, 2-D (dp_replicate, dp_shard) for HSDP; dp_shard=-1 takes the rest of the world."""
+    dp_replicate, dp_shard = dp_mesh_shape(world_size, dp_replicate, dp_shard)
     if dp_replicate == 1:
         return init_device_mesh(device_type, (dp_shard,), mesh_dim_names=("dp_shard",))
     return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
@@ -62,9 +68,15 @@ def _checkpointed(module: nn.Module) -> nn.Module:
 
 
 def apply_compile(model: RecurrentLM) -> None:
-    """Compile each block on its own; the same graphs serve every iteration of the loop."""
-    for block in model.blocks():
+    """Compile each prelude/coda block, and the whole core iteration (A_s s + R blocks) as one graph.
+
+    The loop stays eager, so (n, k) never enters a graph: one graph per grad mode serves every
+    iteration of every step, and nothing between the core's blocks runs outside it.
+    """
+    for block in [*model.prelude, *model.coda]:
         block.compile(fullgraph=True)
+    if model.core is not None:
+        model.core.iteration.compile(fullgraph=True)
 
 
 def apply_fsdp(model: RecurrentLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None) -> None:
@@ -83,6 +95,24 @@ def apply_fsdp(model: RecurrentLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPo
         # The head's output is the last thing in forward: keep it gathered for backward.
         fully_shard([model.norm, model.lm_head], reshard_after_forward=False, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    set_prefetch(model)
+
+
+def set_prefetch(model: RecurrentLM) -> None:
+    """Explicit FSDP2 prefetch along the forward order of the units: each all-gathers the next one's
+    parameters while it computes (and the previous one's in backward). The first unit also starts the
+    core's all-gather, the largest, so that it overlaps the whole prelude."""
+    units = [*([model.embed_tokens] if not model.args.tie_embeddings else []), *model.prelude]
+    units += [model.core] if model.core is not None else []
+    units += [*model.coda, *([model.norm] if not model.args.tie_embeddings else [])]
+    for i, unit in enumerate(units):
+        ahead = units[i + 1 : i + 2]
+        if i == 0 and model.core is not None and model.core not in ahead and model.core is not unit:
+            ahead.append(model.core)
+        if ahead:
+            unit.set_modules_to_forward_prefetch(ahead)
+        if i > 0:
+            unit.set_modules_to_backward_prefetch([units[i - 1]])
 
 
 MIXED_PRECISION_MODES = ("fsdp", "autocast")

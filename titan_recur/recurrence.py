@@ -30,6 +30,7 @@ trainer's logs, tools/flops.py's FLOP replay and the sampler read the same value
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -148,7 +149,7 @@ class Curriculum:
         if not 0.0 <= self.warmup_fraction <= 1.0:
             raise ValueError(f"curriculum warmup_fraction must be in [0, 1], got {self.warmup_fraction!r}")
 
-    @property
+    @functools.cached_property
     def warmup_steps(self) -> int:
         """W: the first position at max_value."""
         return math.ceil(Fraction(str(self.warmup_fraction)) * self.total_steps)

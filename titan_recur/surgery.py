@@ -430,14 +430,7 @@ def convert(
     output = Path(output_dir)
     source = read_source(source_dir)
     check_output(output, force, source.folder)
-    if plan.n_source_layers != source.n_layers:
-        raise ConversionError(f"the plan is for {plan.n_source_layers} layers; the source has {source.n_layers}")
-    _check_options(options)
-    args = hf_config_to_model_args(source, plan, options)
-    weights = SourceWeights(source.folder)
-    shapes = target_shapes(args)
-    names = source_tensor_names(shapes, plan, source.tied)
-    _check_weights(weights, names, shapes, source, args.tie_embeddings)
+    args, weights, names = _checked_conversion(source, plan, options)
     if dry_run:
         return args
     state = _converted_state(weights, names, args, options)
@@ -445,6 +438,36 @@ def convert(
                   "n_source_layers": source.n_layers, "options": dataclasses.asdict(options)}
     write_atomically(output, lambda tmp: _write_folder(tmp, args, state, source.folder, provenance))
     return args
+
+
+def converted_state_dict(
+    source: SourceModel,
+    plan: LayerPlan,
+    options: ConvertOptions = ConvertOptions(),
+    weights: SourceWeights | None = None,
+) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """What ``convert`` writes, in memory: the converted ModelArgs and state dict, checked the same way.
+
+    weights: the source tensors by HF name; default the source folder's safetensors. Tools that
+    convert many candidates pass tensors already in memory (a SourceWeights subclass).
+    """
+    args, weights, names = _checked_conversion(source, plan, options, weights)
+    return args, _converted_state(weights, names, args, options)
+
+
+def _checked_conversion(
+    source: SourceModel, plan: LayerPlan, options: ConvertOptions, weights: SourceWeights | None = None
+) -> tuple[ModelArgs, SourceWeights, dict[str, str | None]]:
+    """The converted ModelArgs and tensor names, after checking the plan, options and source tensors."""
+    if plan.n_source_layers != source.n_layers:
+        raise ConversionError(f"the plan is for {plan.n_source_layers} layers; the source has {source.n_layers}")
+    _check_options(options)
+    args = hf_config_to_model_args(source, plan, options)
+    weights = weights if weights is not None else SourceWeights(source.folder)
+    shapes = target_shapes(args)
+    names = source_tensor_names(shapes, plan, source.tied)
+    _check_weights(weights, names, shapes, source, args.tie_embeddings)
+    return args, weights, names
 
 
 def _check_options(options: ConvertOptions) -> None:

@@ -32,6 +32,7 @@ class Validator:
             split="validation",
         )
         self.device = device
+        self.loss_chunk_tokens = t.loss_chunk_tokens
 
     def due(self, step: int, last_step: int) -> bool:
         return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
@@ -41,7 +42,9 @@ class Validator:
         """{r: token-weighted mean loss} over ``validation.steps`` batches of every rank."""
         with torch.random.fork_rng(devices=[]):  # the loader's seed draw must not shift the training RNG
             batches = itertools.islice(iter(build_dataloader(**self._loader_args)), self.cfg.steps)
-            sums = validation_loss_sums(model, batches, self.cfg.recurrences, self.device)
+            sums = validation_loss_sums(
+                model, batches, self.cfg.recurrences, self.device, loss_chunk_tokens=self.loss_chunk_tokens
+            )
         totals = torch.tensor([[total, count] for total, count in sums.values()], dtype=torch.float64)
         if dist.is_initialized():
             totals = totals.to(self.device)

@@ -185,11 +185,14 @@ def run_speed(args: argparse.Namespace) -> None:
 
 
 def heldout_rows(args: argparse.Namespace, tokenizer) -> list[torch.Tensor]:
+    """Batches of held-out rows, each prompt + new tokens long; a padded row (the end of the data) is left out."""
     from titan_recur.eval.sweep import heldout_batches
+    from titan_recur.models.loss import IGNORE_INDEX
 
     batches = heldout_batches(tokenizer, seq_len=args.prompt_len + args.new_tokens, batch_size=args.batch_size,
                               num_batches=args.batches, data=args.data, config=args.config)
-    return [batch["input_ids"] for batch in batches]
+    rows = [batch["input_ids"][(batch["labels"] != IGNORE_INDEX).all(-1)] for batch in batches]
+    return [ids for ids in rows if len(ids)]
 
 
 def run_quality(args: argparse.Namespace) -> None:

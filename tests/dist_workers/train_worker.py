@@ -20,6 +20,7 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from titan_recur.config import load_config
 from titan_recur.train import Trainer
@@ -152,20 +153,64 @@ def count_core_collectives(trainer: Trainer):
             setattr(module, name, fn)
 
 
+class HostSyncs(TorchFunctionMode):
+    """Counts tensor-to-Python reads made by titan_recur's own code (each is a host sync on an accelerator).
+
+    torch's AdamW reads its step counter with .item(), but that counter lives on the CPU (not a
+    device sync), so only calls from titan_recur frames count.
+    """
+
+    READS = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.numpy, torch.Tensor.cpu)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            caller = sys._getframe(1)
+            if "titan_recur" in caller.f_code.co_filename:
+                self.calls.append(f"{caller.f_code.co_filename}:{caller.f_lineno} {func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def count_all_reduces():
+    counts = Counter()
+    original = dist.all_reduce
+
+    def counting(*a, **kw):
+        counts["all_reduce"] += 1
+        return original(*a, **kw)
+
+    dist.all_reduce = counting
+    try:
+        yield counts
+    finally:
+        dist.all_reduce = original
+
+
 def run_collectives(trainer: Trainer, args: argparse.Namespace) -> dict:
-    """Per r: forward all-gathers, backward all-gathers and reduce-scatters for the core's group."""
+    """Per (n, k): one real optimizer step of the trainer with that depth; the core's all-gathers in
+    forward and after it, its reduce-scatters, every all-reduce of the step, and titan_recur's host syncs."""
     results = {}
     rank, world = trainer.dist.rank, trainer.dist.world_size
-    model = trainer.model
+    phase = {}
+    trainer.model.register_forward_hook(lambda module, inputs, out: phase.update(forward=dict(core_counts)))
     for r in args.recurrences:
-        micro = next(fixed_batches(1, 1, args.global_batch, args.seq_len, 97, rank, world))[0]
-        with count_core_collectives(trainer) as counts:
-            logits = model(micro["input_ids"], (r - 1, 1))
-            forward = dict(counts)
-            logits.float().logsumexp(-1).mean().backward()
-        backward = {key: counts[key] - forward.get(key, 0) for key in counts}
-        model.zero_grad(set_to_none=True)
-        results[str(r)] = {"forward": forward, "backward": backward}
+        for k in sorted({1, min(2, r)}):
+            n = r - k
+            trainer.schedule.sample = lambda step, micro_step, n=n, k=k: (n, k)
+            micro = next(fixed_batches(1, 1, args.global_batch, args.seq_len, 97, rank, world))
+            syncs = HostSyncs()
+            with count_core_collectives(trainer) as core_counts, count_all_reduces() as reduces, syncs:
+                trainer.step += 1
+                assert trainer.train_step(iter(micro)) is not None
+            forward = phase["forward"]
+            after = {key: core_counts[key] - forward.get(key, 0) for key in core_counts}
+            results[f"{n},{k}"] = {"forward": forward, "after_forward": after, "all_reduce": reduces["all_reduce"],
+                                   "host_syncs": syncs.calls}
     return results
 
 

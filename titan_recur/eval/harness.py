@@ -15,8 +15,10 @@ from lm_eval.utils import handle_non_serializable
 
 from titan_recur.eval.lm_eval_model import TitanRecurLM
 from titan_recur.eval.loss import check_recurrences
+from titan_recur.plots import figure_vs_r, pyplot, save_figure
 
-TABLE_JSON, TABLE_MD, CURVE_PNG = "table.json", "table.md", "compute_curve.png"
+TABLE_JSON, TABLE_MD = "table.json", "table.md"
+ACCURACY_PNG, CURVE_PNG = "accuracy_vs_r.png", "compute_curve.png"
 # The table's metric name of the mean core iterations per generated token (r for tasks that only score).
 ITERATIONS = "mean_iterations"
 
@@ -35,6 +37,27 @@ def check_tasks(tasks: Sequence[str], task_manager: TaskManager) -> list[str]:
 def setting_label(r: int, exit_threshold: float | None) -> str:
     """A setting's key in the results and the table: "r", or "r@threshold" in a threshold sweep."""
     return str(r) if exit_threshold is None else f"{r}@{exit_threshold:g}"
+
+
+def check_task_data(tasks: Sequence[str], task_manager: TaskManager) -> None:
+    """Build each task, which loads its dataset, so that data that cannot be had fails before the model loads.
+
+    Offline (HF_DATASETS_OFFLINE=1, or no network) a dataset that is not in the local cache raises
+    here; docs/evaluation.md shows how to cache the tasks once. lm_eval caches what it loads, so the
+    sweep's own loads are cheap.
+    """
+    failures = []
+    for task in tasks:
+        try:
+            task_manager.load([task])
+        except Exception as err:  # datasets/hub raise many types: name the task and the cause
+            cause = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            failures.append(f"{task} ({type(err).__name__}: {cause})")
+    if failures:
+        raise ValueError(
+            f"cannot load the data of task(s) {'; '.join(failures)}; without network, cache the datasets first "
+            "(docs/evaluation.md, 'Offline')"
+        )
 
 
 def harness_sweep(
@@ -102,16 +125,10 @@ def markdown_table(rows: list[dict[str, Any]], settings: Sequence[str | int]) ->
     return "\n".join(lines) + "\n"
 
 
-def plot_compute_curve(rows: list[dict[str, Any]], settings: Sequence[str], path: Path) -> None:
-    """The test-time compute curve: each task metric vs the task's mean core iterations per generated token."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ImportError("the compute-curve plot needs matplotlib: pip install -e '.[eval]'") from None
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot_compute_curve(rows: list[dict[str, Any]], settings: Sequence[str], out: str | Path) -> Path:
+    """compute_curve.png, the test-time compute curve: each task metric vs the task's mean core iterations
+    per generated token."""
+    plt = pyplot()
     iterations = {row["task"]: row for row in rows if row["metric"] == ITERATIONS}
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for row in rows:
@@ -126,8 +143,18 @@ def plot_compute_curve(rows: list[dict[str, Any]], settings: Sequence[str], path
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return save_figure(fig, Path(out) / CURVE_PNG)
+
+
+def plot_accuracy(rows: list[dict[str, Any]], recurrences: Sequence[int], out: str | Path) -> Path:
+    """accuracy_vs_r.png: every (task, metric) whose values are fractions in [0, 1], vs r."""
+    series = {
+        f"{row['task']} {row['metric']}": {r: row[str(r)] for r in recurrences if str(r) in row}
+        for row in rows
+        if row["metric"] != ITERATIONS and all(0 <= row[str(r)] <= 1 for r in recurrences if str(r) in row)
+    }
+    title = "lm-eval-harness accuracy vs test recurrence"
+    return save_figure(figure_vs_r(series, "accuracy", title), Path(out) / ACCURACY_PNG)
 
 
 def write_results(results: dict[str, dict[str, Any]], out: str | Path) -> tuple[Path, Path]:
@@ -144,7 +171,7 @@ def write_results(results: dict[str, dict[str, Any]], out: str | Path) -> tuple[
     rows = results_table(results)
     _dump(rows, out / TABLE_JSON)
     (out / TABLE_MD).write_text(markdown_table(rows, list(results)))
-    plot_compute_curve(rows, list(results), out / CURVE_PNG)
+    plot_compute_curve(rows, list(results), out)
     return out / TABLE_JSON, out / TABLE_MD
 
 

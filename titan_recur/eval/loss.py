@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from titan_recur.models.loss import count_labels, cross_entropy_sum
+from titan_recur.models.loss import count_labels
 
 def check_recurrences(recurrences: Sequence[int]) -> list[int]:
     """The recurrences as a list of positive ints, with a clear error otherwise."""
@@ -29,8 +29,11 @@ def validation_loss_sums(
     recurrences: Sequence[int],
     device: torch.device | str,
     state_init: str | None = None,
+    loss_chunk_tokens: int = 1024,
 ) -> dict[int, tuple[float, int]]:
     """Per-rank {r: (summed next-token CE, number of labelled tokens)} over ``batches``, read once.
+
+    The loss is chunked over tokens (no full logits held; without grad that costs nothing extra).
 
     ``batches`` yield {"input_ids", "labels"} (labels already shifted, -100 ignored), as the data
     loader does. Works on a plain or FSDP-sharded model (every rank must call it: it only calls
@@ -45,7 +48,8 @@ def validation_loss_sums(
         input_ids = batch["input_ids"].to(device, non_blocking=True)
         labels = batch["labels"].to(device, non_blocking=True)
         for r in recurrences:
-            sums[r] += cross_entropy_sum(model(input_ids, r, state_init=state_init), labels).double()
+            loss = model(input_ids, r, state_init=state_init, labels=labels, loss_chunk_tokens=loss_chunk_tokens)
+            sums[r] += loss.double()
     return {r: (float(total), tokens) for r, total in sums.items()}
 
 

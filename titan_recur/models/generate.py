@@ -2,7 +2,7 @@
 
 One engine for everything that decodes (the CLI ``python -m titan_recur.generate``, the lm-eval model,
 the HF export's ``generate``). It runs the model's own units step by step (``attention_context``,
-``embed_and_prelude``, ``RecurrentCore.iteration``, ``coda_and_head``) through a preallocated
+``embed_and_prelude``, ``RecurrentCore.iteration``, ``coda_and_norm``, ``head``) through a preallocated
 ``KVCache`` with K/V sharing across iterations, and adds per-token adaptive exit, a warm-started
 recurrent state and seeded sampling. Left-padded batches are exact: every row gets the tokens and
 per-token iteration counts it gets alone.
@@ -308,7 +308,7 @@ class _Decoder:
         return self._final(state, ctx, steps)
 
     def _final(self, state: torch.Tensor, ctx: AttentionContext, steps: torch.Tensor) -> _Step:
-        logits = self.model.coda_and_head(state, ctx, last_only=True)[:, -1]
+        logits = self.model.head(self.model.coda_and_norm(state, ctx)[:, -1])
         return _Step(logits=logits, state=state, steps=steps, head_calls=torch.ones_like(steps))
 
     def _adaptive_depth(
@@ -330,7 +330,7 @@ class _Decoder:
                 continue
             check_logits = None
             if criterion.needs_logits:
-                check_logits = model.coda_and_head(state, ctx, last_only=True)[:, -1]
+                check_logits = model.head(model.coda_and_norm(state, ctx)[:, -1])
                 head_calls += active
                 logits = check_logits if logits is None else torch.where(active[:, None], check_logits, logits)
             active = active & ~criterion.exits(state, check_logits)
@@ -341,7 +341,7 @@ class _Decoder:
         needs_final = active if criterion.needs_logits else running
         if bool(needs_final.any()):
             cache.write_rows = needs_final
-            final = model.coda_and_head(state, ctx, last_only=True)[:, -1]
+            final = model.head(model.coda_and_norm(state, ctx)[:, -1])
             head_calls += needs_final
             logits = final if logits is None else torch.where(needs_final[:, None], final, logits)
         if bool((running & (steps < cache.slots_per_block)).any()):
