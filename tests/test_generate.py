@@ -267,14 +267,14 @@ def test_cache_bytes_latest_is_the_static_models_and_full_grows_with_r() -> None
     def cache_bytes(model, **options):
         return generate(model, ids, GenerationOptions(max_new_tokens=3, **options)).kv_cache_bytes
 
-    latest = cache_bytes(recurrent, num_steps=r, kv_sharing="latest")
-    static_bytes = cache_bytes(static)
+    measured = {mode: cache_bytes(recurrent, num_steps=r, kv_sharing=mode) for mode in ("full", "latest", "compress-4")}
+    latest = measured["latest"]
     a = recurrent.args
-    assert latest == static_bytes == (P + R + C) * 2 * bsz * a.n_kv_heads * (5 + 3) * a.head_dim * 4
-    assert cache_bytes(recurrent, num_steps=r) * (P + R + C) == latest * (P + R * r + C)
-    assert cache_bytes(recurrent, num_steps=r, kv_sharing="compress-4") * (P + R + C) == latest * (P + R * 4 + C)
-    for mode in ("full", "latest", "compress-4"):
-        assert KVCache.planned_bytes(a, bsz, 5 + 3, r, mode, 4) == cache_bytes(recurrent, num_steps=r, kv_sharing=mode)
+    assert latest == cache_bytes(static) == (P + R + C) * 2 * bsz * a.n_kv_heads * (5 + 3) * a.head_dim * 4
+    assert measured["full"] * (P + R + C) == latest * (P + R * r + C)
+    assert measured["compress-4"] * (P + R + C) == latest * (P + R * 4 + C)
+    for mode, nbytes in measured.items():
+        assert KVCache.planned_bytes(a, bsz, 5 + 3, r, mode, 4) == nbytes
 
 
 # --- warm start and sampling --------------------------------------------------------------------

@@ -93,6 +93,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     speed.add_argument("--engines", default="cat,full,latest", help="subset of cat,full,latest")
     speed.add_argument("--compile", action="store_true", help="also time the engine with compiled core iterations")
 
+    memory = commands.add_parser("memory", help="KV-cache bytes of a source preset's retrofit per mode and r")
+    memory.add_argument("--preset", default="llama3.2-1b", help="source preset (titan_recur.models.args.PRESETS)")
+    memory.add_argument("--shape", default="4,6,4", help="P,R,C")
+    memory.add_argument("--recurrences", default="1,4,32")
+    memory.add_argument("--tokens", type=int, default=2048, help="cached tokens per sequence")
+    memory.add_argument("--kv-sharing-modes", default="full,compress-4,latest")
+
     quality = commands.add_parser("quality", help="loss and token agreement of cheaper depth vs full")
     quality.add_argument("--checkpoint", required=True, help="model folder")
     source = quality.add_mutually_exclusive_group(required=True)
@@ -181,6 +188,28 @@ def run_speed(args: argparse.Namespace) -> None:
                       f"{nbytes / 2**20:.2f} |", flush=True)
 
 
+# --- memory -------------------------------------------------------------------------------------
+
+
+def run_memory(args: argparse.Namespace) -> None:
+    """Planned bf16 cache bytes of one sequence (KVCache.planned_bytes, what the engine allocates)."""
+    from titan_recur.models.args import PRESETS
+    from titan_recur.models.cache import KVCache, core_slots_per_block
+
+    preset = PRESETS[args.preset]
+    model_args = preset.model_args(*(int(v) for v in args.shape.split(",")))
+    static = KVCache.planned_bytes(model_args, 1, args.tokens, 1, "latest", 2)
+    print(f"# {args.preset} as ({args.shape}), one sequence of {args.tokens} tokens, bf16; \"latest\" = a static "
+          f"model of P+R+C layers")
+    print("| r | kv_sharing | layer slots | KV cache MiB | vs latest |")
+    print("|---:|---|---:|---:|---:|")
+    for r in (int(v) for v in args.recurrences.split(",")):
+        for mode in args.kv_sharing_modes.split(","):
+            nbytes = KVCache.planned_bytes(model_args, 1, args.tokens, r, mode, 2)
+            slots = model_args.n_prelude + model_args.n_coda + model_args.n_core * core_slots_per_block(mode, r)
+            print(f"| {r} | {mode} | {slots} | {nbytes / 2**20:.1f} | {nbytes / static:.2f} |")
+
+
 # --- quality ------------------------------------------------------------------------------------
 
 
@@ -231,7 +260,7 @@ def run_quality(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    (run_speed if args.command == "speed" else run_quality)(args)
+    {"speed": run_speed, "memory": run_memory, "quality": run_quality}[args.command](args)
     return 0
 
 
