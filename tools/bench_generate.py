@@ -11,6 +11,9 @@ tokens/s counts new tokens of the whole batch (prompt included in the time) per 
 and per CPU second of this process (the figure to trust on a loaded CPU machine; on a GPU use wall).
 Each configuration is warmed up on the same shapes (stopping after 4 tokens), then timed.
 
+memory: the KV-cache bytes the engine allocates (KVCache.planned_bytes, no model built) for a source
+preset's retrofit, per kv_sharing mode and r.
+
 quality: teacher-forced decoding of held-out rows through the cache (prompt --prompt-len tokens, then
 --new-tokens given tokens fed back one at a time): loss, agreement of each position's greedy token
 with "full" at r, and mean core iterations per decoded token, for full at lower r, "latest",
@@ -19,6 +22,7 @@ with "full" at r, and mean core iterations per decoded token, for full at lower 
     OMP_NUM_THREADS=1 python tools/bench_generate.py speed
     python tools/bench_generate.py speed --device cuda --dtype bfloat16 --dim 2048 --heads 32 --kv-heads 8 \\
         --ffn 8192 --vocab 128256 --shape 4,6,4 --batch-sizes 1,8,32 --prompt-len 512 --compile
+    python tools/bench_generate.py memory --preset llama3.2-1b --shape 4,6,4 --tokens 2048
     OMP_NUM_THREADS=1 python tools/bench_generate.py quality --checkpoint outputs/gen_quality/final_model \\
         --config train_configs/debug_model.toml --num-steps 8
 """
