@@ -277,6 +277,21 @@ def test_cache_bytes_latest_is_the_static_models_and_full_grows_with_r() -> None
         assert KVCache.planned_bytes(a, bsz, 5 + 3, r, mode, 4) == nbytes
 
 
+
+def test_bench_memory_quotes_the_llama_retrofit_cache(capsys) -> None:
+    """The docs' figure: Llama-3.2-1B as (4,6,4), 2048 bf16 tokens, r = 32: 200 slots x 2 x 8 heads x 64 dims."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_generate", REPO / "tools" / "bench_generate.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["memory", "--recurrences", "32", "--kv-sharing-modes", "full,latest"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| 32 ")]
+    assert [[cell.strip() for cell in row] for row in rows] == [
+        ["32", "full", "200", f"{200 * 2 * 8 * 2048 * 64 * 2 / 2**20:.1f}", "14.29"],
+        ["32", "latest", "14", f"{14 * 2 * 8 * 2048 * 64 * 2 / 2**20:.1f}", "1.00"],
+    ]
+
 # --- warm start and sampling --------------------------------------------------------------------
 
 
