@@ -24,12 +24,17 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from titan_recur.models.args import ModelArgs
+from titan_recur.models.args import PRESETS, ModelArgs
 from titan_recur.parallelize import AC_MODES
 from titan_recur.recurrence import RecurrenceSchedule
+
+if TYPE_CHECKING:
+    from titan_recur.config import JobConfig
 
 CONVENTIONS = ("paper", "full")
 DEFAULT_BACKPROP_DEPTH = 8
@@ -303,6 +308,37 @@ class TrainingRun:
         if num_steps not in self._per_token:
             self._per_token[num_steps] = training_flops_per_token(self.args, num_steps, self.seq_len).total
         return self._per_token[num_steps]
+
+
+def batch_geometry(local_batch_size: int, global_batch_size: int | None, seq_len: int, world_size: int) -> tuple[int, int]:
+    """(tokens per optimizer step, micro-steps per step) as the trainer derives them on world_size ranks."""
+    per_micro_step = local_batch_size * world_size
+    sequences = global_batch_size or per_micro_step
+    if sequences % per_micro_step:
+        raise ValueError(
+            f"training.global_batch_size ({sequences}) is not a multiple of local_batch_size "
+            f"({local_batch_size}) x --world-size ({world_size})"
+        )
+    return sequences * seq_len, sequences // per_micro_step
+
+
+def config_training_run(cfg: JobConfig, world_size: int = 1, args: ModelArgs | None = None) -> TrainingRun:
+    """The FLOP account of a train config (or a run's saved config.json) on world_size data-parallel ranks.
+
+    The architecture is ``args`` if given (e.g. a run's exported final_model), else the model folder,
+    else model.preset + shape (a config whose folder is not converted yet). The schedule and the
+    batch are the trainer's.
+    """
+    from titan_recur.train import build_recurrence_schedule, resolve_model_args  # train imports this module
+
+    m, t = cfg.model, cfg.training
+    if args is None:
+        if m.path and m.preset and not Path(m.path).is_dir():
+            args = PRESETS[m.preset].model_args(*m.shape)  # not converted yet: FLOPs need the shape only
+        else:
+            args = resolve_model_args(cfg)
+    tokens_per_step, micro_steps = batch_geometry(t.local_batch_size, t.global_batch_size, t.seq_len, world_size)
+    return TrainingRun(args, build_recurrence_schedule(cfg), tokens_per_step, t.seq_len, micro_steps)
 
 
 def matching_steps(run: TrainingRun, steps: int, other: TrainingRun, convention: str) -> float:

@@ -20,6 +20,7 @@ from titan_recur.flops import (  # noqa: E402
     AC_MODES,
     CONVENTIONS,
     TrainingRun,
+    config_training_run,
     eval_flops_per_token,
     paper_flops_per_token,
     param_counts,
@@ -28,7 +29,6 @@ from titan_recur.flops import (  # noqa: E402
 from titan_recur.models.args import PRESETS, ModelArgs  # noqa: E402
 from titan_recur.models.io import read_model_args  # noqa: E402
 from titan_recur.recurrence import CURRICULUM_KINDS, Curriculum, RecurrenceSchedule  # noqa: E402
-from titan_recur.train import build_recurrence_schedule, resolve_model_args  # noqa: E402
 
 DEFAULT_PRESET = "tinyllama-1.1b"
 # Flags that describe the run, and the config keys that take their place under --config.
@@ -227,22 +227,16 @@ def setup_from_flags(ns: argparse.Namespace) -> Setup:
 def setup_from_config(path: str, overrides: list[str], world_size: int) -> Setup:
     """Shape, schedule and batch of a train config; tokens/step = global batch (sequences) * seq_len."""
     cfg = load_config(path, overrides)
-    m, t = cfg.model, cfg.training
-    if m.path and m.preset and not Path(m.path).is_dir():
-        args = PRESETS[m.preset].model_args(*m.shape)  # not converted yet: FLOPs need the shape only
-    else:
-        args = resolve_model_args(cfg)
-    label = m.path or f"{m.preset} {shape_label(args)}"
-    per_micro_step = t.local_batch_size * world_size
-    sequences = t.global_batch_size or per_micro_step
-    if sequences % per_micro_step:
-        raise ValueError(
-            f"{path}: training.global_batch_size ({sequences}) is not a multiple of local_batch_size "
-            f"({t.local_batch_size}) x --world-size ({world_size})"
-        )
+    try:
+        run = config_training_run(cfg, world_size)
+    except ConfigError:
+        raise
+    except ValueError as err:  # the batch does not split over the ranks
+        raise ValueError(f"{path}: {err}") from None
+    label = cfg.model.path or f"{cfg.model.preset} {shape_label(run.args)}"
     return Setup(
-        f"{label} [{path}]", args, t.steps, build_recurrence_schedule(cfg), sequences * t.seq_len, t.seq_len,
-        sequences // per_micro_step, t.ac_mode, m.preset,
+        f"{label} [{path}]", run.args, cfg.training.steps, run.schedule, run.tokens_per_step, run.seq_len,
+        run.micro_steps, cfg.training.ac_mode, cfg.model.preset,
     )
 
 
