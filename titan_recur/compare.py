@@ -344,7 +344,7 @@ def plot_vs_recurrence(report: dict[str, Any], q: Quantity, path: Path) -> None:
         if run["recurrent"]:
             ax.plot(rs, values, marker="o", label=f"{run['label']} (train mean {run['train_mean_recurrence']})")
         elif values[0] is not None:
-            ax.axhline(values[0], color="black", linestyle="--", label=f"{run['label']} (static)")
+            ax.axhline(values[0], color="black", linestyle="--", label=f"static baseline: {run['label']}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(rs, [str(r) for r in rs])
     ax.set_xlabel("test recurrence r")
@@ -375,14 +375,15 @@ def plot_vs_flops(report: dict[str, Any], q: Quantity, path: Path) -> None:
             if not run["recurrent"]:
                 ax.plot([p["flops"][convention] for p in run["points"]],
                         [_value_at(run, p, q, rs[0]) for p in run["points"]],
-                        marker="x", markersize=9, color="black", linestyle="--", label=f"{run['label']} (static)")
+                        marker="x", markersize=9, color="black", linestyle="--", label=f"static baseline: {run['label']}")
         ax.set_xscale("log")
         ax.set_xlabel(f"training FLOPs ({convention} convention)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(q.title)
-    names = ", ".join(f"{markers[j % len(markers)]} {run['label']}"
+    names = ", ".join(f"'{markers[j % len(markers)]}' {run['label']}"
                       for j, run in enumerate(r for r in report["runs"] if r["recurrent"]))
-    fig.suptitle(f"{q.title} vs training FLOPs" + (f"  (recurrent: {names})" if names else ""), fontsize=9)
+    fig.suptitle(f"{q.title} vs training FLOPs" + (f"  (recurrent runs at each test r, markers: {names})"
+                                                    if names else ""), fontsize=9)
     axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
