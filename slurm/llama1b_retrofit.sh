@@ -1,6 +1,7 @@
 #!/bin/bash
-# Llama-3.2-1B depth-recurrence retrofit (4,6,4): the paper's run, train_configs/llama3_2_1b.toml,
+# Llama-3.2-1B depth-recurrence retrofit (4,6,4): train_configs/llama3_2_1b.toml by default,
 # on 8 nodes x 8 GPUs (64 GPUs x 16 sequences x 1024 tokens = 2^20 tokens per step, one micro-step).
+# The paper's runs (configs and commands): docs/cluster.md, "Reproduce the paper".
 #
 # From the repository root:
 #   mkdir -p logs && sbatch slurm/llama1b_retrofit.sh

@@ -1,6 +1,7 @@
 #!/bin/bash
-# TinyLlama-1.1B depth-recurrence retrofit (4,8,4): the paper's run, train_configs/tinyllama.toml,
+# TinyLlama-1.1B depth-recurrence retrofit (4,8,4): train_configs/tinyllama.toml by default,
 # on 8 nodes x 8 GPUs (64 GPUs x 16 sequences x 1024 tokens = 2^20 tokens per step, one micro-step).
+# The paper's runs (configs and commands): docs/cluster.md, "Reproduce the paper".
 #
 # From the repository root:
 #   mkdir -p logs && sbatch slurm/tinyllama_retrofit.sh

@@ -33,7 +33,7 @@ from tests.torchrun_util import REPO_ROOT, WORKERS_DIR, run_torchrun
 from titan_recur.checkpoint import ModelState, load_from, scan_checkpoints
 from titan_recur.models.io import WEIGHTS_NAME, read_model_args, write_model_args
 from titan_recur.models.model import RecurrentLM
-from titan_recur.train import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED, TEST_NAN_STEP_ENV
+from titan_recur.train import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP reads here, no process group
 TRAIN = ["-m", "titan_recur.train"]
@@ -282,7 +282,8 @@ def test_kill9_at_random_steps_resumes_bit_identically(reference, tmp_path):
     """SIGKILL of the torchrun process group at 3 random steps, then the same command again each time."""
     config, ref_dump = reference
     ref = read_metrics(ref_dump)
-    seed = int(os.environ.get("TITAN_RECUR_KILL_SEED", time.time_ns() % 2**31))
+    # Fixed by default so that a failure reproduces; set TITAN_RECUR_KILL_SEED to explore other kill steps.
+    seed = int(os.environ.get("TITAN_RECUR_KILL_SEED", "20261201"))
     rng = random.Random(seed)
     kill_steps = [rng.randint(3, 5), rng.randint(6, 8), rng.randint(9, 11)]
     note = f"(kill steps {kill_steps}, TITAN_RECUR_KILL_SEED={seed})"
@@ -424,7 +425,7 @@ def single(normal_init_model, tmp_path_factory) -> dict:
     run = ["--config", str(config), "--training.steps", "6", "--training.global_batch_size", "4",
            "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
     skip = ["--training.skip_nonfinite", "true"]
-    nan_at = {TEST_NAN_STEP_ENV: "5"}
+    nan_at = ["--training.inject_nan_at_step", "5"]
     base_ckpt = d["base"] / "checkpoints"
     jobs = {
         "base": {"argv": [*run, "--job.dump_folder", str(d["base"])]},
@@ -440,13 +441,13 @@ def single(normal_init_model, tmp_path_factory) -> dict:
                                       "--checkpoint.initial_load_path", str(base_ckpt / "step-4")]},
         "initial_load_rerun": {"argv": [*run, "--job.dump_folder", str(d["init_run"]), "--training.steps", "3",
                                         "--checkpoint.initial_load_path", str(base_ckpt / "step-4")]},
-        "nan_stop": {"argv": [*run, "--job.dump_folder", str(d["nan"])], "env": nan_at,
+        "nan_stop": {"argv": [*run, *nan_at, "--job.dump_folder", str(d["nan"])],
                      "watch": str(d["nan"] / "checkpoints")},
         "nan_resume": {"argv": [*run, "--job.dump_folder", str(d["nan"])]},
-        "nan_skip": {"argv": [*run, *skip, "--training.max_skipped_steps", "1", "--job.dump_folder", str(d["skip"])],
-                     "env": nan_at},
-        "nan_limit": {"argv": [*run, *skip, "--training.max_skipped_steps", "0", "--job.dump_folder",
-                               str(d["limit"])], "env": nan_at},
+        "nan_skip": {"argv": [*run, *skip, *nan_at, "--training.max_skipped_steps", "1",
+                              "--job.dump_folder", str(d["skip"])]},
+        "nan_limit": {"argv": [*run, *skip, *nan_at, "--training.max_skipped_steps", "0",
+                               "--job.dump_folder", str(d["limit"])]},
         "corrupt": {"argv": [*run, "--job.dump_folder", str(d["base"])], "watch": str(base_ckpt),
                     "truncate": str(base_ckpt / "step-6" / ".metadata")},
     }

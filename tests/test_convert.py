@@ -74,7 +74,7 @@ def run_cli(*args: str | Path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "n_layers, shape, expected",
     [
-        (22, (4, 8, 4), ("0-3", "10-17", "18-21", "4-9")),  # SPEC §2 table
+        (22, (4, 8, 4), ("0-3", "10-17", "18-21", "4-9")),  # docs/method.md §2 table
         (16, (4, 6, 4), ("0-3", "6-11", "12-15", "4-5")),
         (16, (2, 4, 2), ("0-1", "10-13", "14-15", "2-9")),
         (22, (6, 10, 6), ("0-5", "6-15", "16-21", "-")),
@@ -248,7 +248,7 @@ def test_tied_source(tiny_hf_checkpoint, tmp_path):
     for out in ("untied", "tied"):
         torch.testing.assert_close(converted_logits(tmp_path / out, ids), expected, atol=1e-5, rtol=0)
     model = load_model(tmp_path / "tied")
-    assert model.lm_head.weight is model.embed_tokens.weight
+    assert model.lm_head is None  # tied: the head is the embedding matrix
 
 
 def test_static_conversion(tiny_hf_checkpoint, tmp_path):

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from titan_recur.config import Data, DataPhase, DataSource
 from titan_recur.data import build_dataloader, check_data_config
-from titan_recur.tokenizer import load_tokenizer
+from titan_recur.tokenizer import check_vocab, load_tokenizer
 from torchrun_util import REPO_ROOT, WORKERS_DIR, run_torchrun
 
 SEQ_LEN = 8
@@ -249,7 +249,7 @@ def test_bad_inputs_fail_with_one_line(tmp_path, tok):
     message = check(path=str(tmp_path / "short.parquet"), kind="tokenized")
     assert "short.parquet" in message and "5 tokens" in message and f"{SEQ_LEN + 1}" in message
     cfg = Data(sources=[DataSource(path=good, kind="jsonl")])
-    assert "vocab mismatch" in one_line_error(ValueError, check_data_config, cfg, tok, SEQ_LEN, model_vocab_size=100)
+    assert "vocab mismatch" in one_line_error(ValueError, check_vocab, tok, 100)
     both = Data(sources=cfg.sources, phases=[DataPhase(0, cfg.sources)])
     assert "not both" in one_line_error(ValueError, check_data_config, both, tok, SEQ_LEN)
     late = Data(phases=[DataPhase(5, cfg.sources)])

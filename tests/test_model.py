@@ -1,4 +1,4 @@
-"""The depth-recurrent LM (SPEC §1): recurrence semantics, truncated backprop, checkpointing,
+"""The depth-recurrent LM (docs/method.md): recurrence semantics, truncated backprop, checkpointing,
 cached/padded generation, static and tied variants, save/load, num_steps and state init, and the
 blocks against transformers' own Llama / OLMo-2 decoder layers.
 
@@ -14,12 +14,14 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.blocks import AttentionContext, KVCache, TransformerBlock
 from titan_recur.models.generate import greedy_generate
 from titan_recur.models.io import WEIGHTS_NAME, load_model, save_model
-from titan_recur.models.model import RecurrentLM, cross_entropy_loss, resolve_num_steps
+from titan_recur.models.loss import cross_entropy_loss
+from titan_recur.models.model import RecurrentLM, resolve_num_steps
 from titan_recur.models.rope import rope_cos_sin, rope_inverse_frequencies
 
 VOCAB = 97
@@ -89,14 +91,14 @@ def manual_forward(model: RecurrentLM, x: torch.Tensor, n: int, k: int, prefix_m
     "no_grad": under torch.no_grad, then detached; "detach": with grad, output detached;
     "grad": with grad, nothing detached (full backprop through all n + k iterations).
     """
-    ctx = model._attention_context(x, None, None, None)
+    ctx = model.attention_context(x, None, None, None)
     e = model.embed_tokens(x)
     for block in model.prelude:
         e = block(e, ctx)
     state = torch.zeros_like(e)
 
     def iterate(s: torch.Tensor) -> torch.Tensor:
-        """s_i = Core(A [s_{i-1}; e]), straight from SPEC §1."""
+        """s_i = Core(A [s_{i-1}; e]), straight from docs/method.md §1."""
         h = model.core.adapter(torch.cat([s, e], dim=-1))
         for block in model.core.blocks:
             h = block(h, ctx)
@@ -117,7 +119,7 @@ def manual_forward(model: RecurrentLM, x: torch.Tensor, n: int, k: int, prefix_m
     h = state
     for block in model.coda:
         h = block(h, ctx)
-    return model.lm_head(model.norm(h))
+    return model.head(model.norm(h))
 
 
 # --- 1. identity vs random adapter ------------------------------------------------------------
@@ -136,11 +138,11 @@ def test_identity_adapter_output_independent_of_depth_and_state_init():
             for init in ("normal", "zero", "embed"):
                 torch.testing.assert_close(model(x, r, state_init=init), reference, atol=1e-6, rtol=0)
         # r = 1 is the source model restricted to its kept layers, in order.
-        ctx = model._attention_context(x, None, None, None)
+        ctx = model.attention_context(x, None, None, None)
         h = model.embed_tokens(x)
         for block in [*model.prelude, *model.core.blocks, *model.coda]:
             h = block(h, ctx)
-        torch.testing.assert_close(model.lm_head(model.norm(h)), reference, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(model.head(model.norm(h)), reference, atol=1e-6, rtol=1e-5)
 
 
 def test_random_adapter_output_depends_on_depth_and_state_init():
@@ -194,14 +196,11 @@ def test_no_grad_prefix_keeps_no_graph():
     model = build(seed=0, std=0.1, adapter_init="random")
     x = tokens()
     seen = []
-    original = model.core._iterate
 
-    def spy(state, embedded, ctx, i):
-        out = original(state, embedded, ctx, i)
-        seen.append((i, state, out, torch.is_grad_enabled()))
-        return out
+    def spy(module, inputs, out):
+        seen.append((len(seen), inputs[0], out, torch.is_grad_enabled()))
 
-    model.core._iterate = spy
+    hook = model.core.iteration.register_forward_hook(spy)
     n, k = 4, 2
     model(x, (n, k), state_init="embed")
     assert [i for i, *_ in seen] == list(range(n + k))
@@ -213,7 +212,7 @@ def test_no_grad_prefix_keeps_no_graph():
     # the state entering the first grad iteration carries no graph
     first_grad_input = seen[n][1]
     assert not first_grad_input.requires_grad and first_grad_input.grad_fn is None
-    del model.core._iterate
+    hook.remove()
 
     # Saved activations depend on k only, not on the no-grad prefix n.
     def saved(steps):
@@ -226,7 +225,7 @@ def test_no_grad_prefix_keeps_no_graph():
 
 
 def test_eval_int_steps_runs_without_grad_through_the_loop():
-    model = build(seed=0, adapter_init="random")
+    model = build(seed=0, adapter_init="random").eval()
     x = tokens()
     logits = model(x, 3, state_init="zero")
     cross_entropy_loss(logits[:, :-1], x[:, 1:]).backward()
@@ -235,6 +234,24 @@ def test_eval_int_steps_runs_without_grad_through_the_loop():
             assert p.grad is not None, name
         else:
             assert p.grad is None, name
+
+
+def test_train_mode_int_steps_train_every_part_with_truncated_backprop():
+    """In train mode with grad, r means r iterations whose last min(r, 8) carry grad: (n, k) = (r - 8, 8) for r > 8."""
+    model = build(seed=0, adapter_init="random")
+    x = tokens()
+    for r, expected in ((3, (0, 3)), (10, (2, 8))):
+        model.zero_grad()
+        logits = model(x, r, state_init="zero")
+        cross_entropy_loss(logits[:, :-1], x[:, 1:]).backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        cross_entropy_loss(model(x, expected, state_init="zero")[:, :-1], x[:, 1:]).backward()
+        for grad, p in zip(grads, model.parameters()):
+            torch.testing.assert_close(grad, p.grad, atol=0, rtol=0)
+        with torch.no_grad():
+            torch.testing.assert_close(logits, model(x, r, state_init="zero"), atol=0, rtol=0)
 
 
 # --- 3. per-iteration activation checkpointing -------------------------------------------------
@@ -254,7 +271,7 @@ def test_checkpoint_iterations_exact_and_saves_less(steps):
     loss_plain.backward()
     g_plain = grads(model)
 
-    model.core.checkpoint_iterations = True
+    model.core.iteration = checkpoint_wrapper(model.core.iteration, preserve_rng_state=False)
     model.zero_grad(set_to_none=True)
     saved_ckpt, logits = run()
     loss_ckpt = cross_entropy_loss(logits[:, :-1], x[:, 1:])
@@ -352,11 +369,11 @@ def test_static_model():
         assert out.shape == (2, 12, VOCAB)
         for steps in (1, 5, (2, 3)):
             torch.testing.assert_close(static(x, steps), out, atol=0, rtol=0)
-        ctx = static._attention_context(x, None, None, None)
+        ctx = static.attention_context(x, None, None, None)
         h = static.embed_tokens(x)
         for blk in [*static.prelude, *static.coda]:
             h = blk(h, ctx)
-        torch.testing.assert_close(static.lm_head(static.norm(h)), out, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(static.head(static.norm(h)), out, atol=1e-6, rtol=1e-5)
     # it trains: all params get grads
     cross_entropy_loss(static(x)[:, :-1], x[:, 1:]).backward()
     assert all(p.grad is not None for p in static.parameters())
@@ -368,8 +385,10 @@ def test_static_model():
 @pytest.mark.parametrize("tied", [True, False])
 def test_save_load_round_trip(tmp_path, tied):
     model = build(seed=2, std=0.1, adapter_init="random", tie_embeddings=tied).eval()
-    if tied:
-        assert model.lm_head.weight is model.embed_tokens.weight
+    if tied:  # tying is structural: no head of its own, logits come from the embedding matrix
+        assert model.lm_head is None
+        h = torch.randn(3, 32)
+        torch.testing.assert_close(model.head(h), h @ model.embed_tokens.weight.T, atol=0, rtol=0)
     else:
         assert model.lm_head.weight.data_ptr() != model.embed_tokens.weight.data_ptr()
         assert not torch.equal(model.lm_head.weight, model.embed_tokens.weight)
@@ -378,7 +397,7 @@ def test_save_load_round_trip(tmp_path, tied):
     assert ("lm_head.weight" in stored) == (not tied)
     loaded = load_model(tmp_path / "m")
     assert loaded.args == model.args
-    assert (loaded.lm_head.weight is loaded.embed_tokens.weight) == tied
+    assert (loaded.lm_head is None) == tied
     x = tokens()
     with torch.no_grad():
         for r in (1, 3):
@@ -421,8 +440,8 @@ def test_load_model_low_precision_keeps_fp32_rope(tmp_path):
     save_model(model, tmp_path / "m")
     loaded = load_model(tmp_path / "m", dtype=torch.bfloat16)
     assert loaded.embed_tokens.weight.dtype == torch.bfloat16
-    assert loaded.inv_freq.dtype == torch.float32
-    assert torch.equal(loaded.inv_freq, model.inv_freq)
+    assert loaded.rope_inv_freq("cpu").dtype == torch.float32
+    assert torch.equal(loaded.rope_inv_freq("cpu"), model.rope_inv_freq("cpu"))
 
 
 # --- 7. num_steps ------------------------------------------------------------------------------
@@ -444,8 +463,7 @@ def test_forward_default_depth_is_mean_recurrence():
     model = build(seed=0, std=0.1, adapter_init="random", mean_recurrence=3).eval()
     x = tokens()
     calls = []
-    original = model.core._iterate
-    model.core._iterate = lambda *a: calls.append(a[-1]) or original(*a)
+    model.core.iteration.register_forward_hook(lambda module, inputs, out: calls.append(len(calls)))
     with torch.no_grad():
         default = model(x, state_init="zero")
         assert calls == [0, 1, 2]
@@ -538,7 +556,7 @@ def test_block_matches_transformers_decoder_layer(block_type):
         config.head_dim = 16
         layer, rotary = Olmo2DecoderLayer(config, layer_idx=0), Olmo2RotaryEmbedding(config)
     torch.manual_seed(0)
-    block = TransformerBlock(args)
+    block = TransformerBlock(args, ("prelude", 0))
     block.init_weights(0.2)
     with torch.no_grad():
         for name, p in block.named_parameters():
@@ -566,5 +584,5 @@ def test_meta_build_then_to_empty_keeps_the_head_tied():
     with torch.device("meta"):
         model = RecurrentLM(tiny_args(tie_embeddings=True))
     model.to_empty(device="cpu")
-    assert model.lm_head.weight is model.embed_tokens.weight
-    assert model.inv_freq.device.type == "cpu" and model.inv_freq.dtype == torch.float32
+    assert model.lm_head is None and [n for n, _ in model.named_parameters()].count("embed_tokens.weight") == 1
+    assert model.rope_inv_freq("cpu").device.type == "cpu" and model.rope_inv_freq("cpu").dtype == torch.float32

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from titan_recur.config import Recurrence
 from titan_recur.recurrence import (
     Curriculum,
     RecurrenceSampler,
@@ -92,7 +93,7 @@ def test_none_curriculum_and_zero_warmup_are_constant():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(kind="cosine"), r"one of \('none', 'linear', '1-sqrt'\)"),
+        (dict(kind="cosine"), r"one of \('none', 'linear', '1-sqrt', 'interpolate'\)"),
         (dict(max_value=0, start=1), "max_value must be an integer >= 1"),
         (dict(max_value=4, start=8), r"max_value \(4\) must be >= start \(8\)"),
         (dict(start=0), "start must be an integer >= 1"),
@@ -235,9 +236,9 @@ def test_schedule_combines_curricula_and_sampler():
     mean = Curriculum("1-sqrt", max_value=32, total_steps=50_000, warmup_fraction=0.75)
     depth = Curriculum("linear", max_value=8, total_steps=50_000, warmup_fraction=0.5, start=2)
     schedule = RecurrenceSchedule(mean, backprop_depth=depth)
-    assert (schedule.mean(0), schedule.backprop_depth(0)) == (1, 2)
+    assert (schedule.mean(1), schedule.backprop_depth(1)) == (1, 2)
     assert (schedule.mean(40_000), schedule.backprop_depth(40_000)) == (32, 8)
-    for step in (0, 5000, 40_000):
+    for step in (1, 5000, 40_000):
         n, k = schedule.sample(step, micro_step=3)
         assert (n, k) == RecurrenceSampler().sample(schedule.mean(step), schedule.backprop_depth(step), step, 3)
         assert 1 <= k <= schedule.backprop_depth(step)
@@ -245,6 +246,79 @@ def test_schedule_combines_curricula_and_sampler():
 
 def test_schedule_default_depth_is_fixed_eight():
     mean = Curriculum("none", max_value=16, total_steps=100, warmup_fraction=0.0)
-    assert {RecurrenceSchedule(mean).backprop_depth(step) for step in range(100)} == {8}
+    assert {RecurrenceSchedule(mean).backprop_depth(step) for step in range(1, 100)} == {8}
     with pytest.raises(ValueError, match="backprop_depth"):
         RecurrenceSchedule(mean, backprop_depth=0)
+
+
+def test_schedule_counts_updates_from_one():
+    schedule = RecurrenceSchedule(Curriculum("linear", max_value=4, total_steps=10, warmup_fraction=0.5))
+    for method in (schedule.mean, schedule.backprop_depth, schedule.sample):
+        with pytest.raises(ValueError, match="update number"):
+            method(0)
+
+
+# ---------------------------------------------------------------- the paper's schedules (its train.py)
+
+
+def paper_schedule(**recurrence) -> RecurrenceSchedule:
+    """The trainer's schedule for a [recurrence] section (defaults + overrides) of a 50k-step run."""
+    steps = recurrence.pop("steps", 50_000)
+    return RecurrenceSchedule.from_config(Recurrence(**recurrence), steps)
+
+
+def test_mean_curriculum_reaches_2_3_4_at_the_references_updates():
+    """1-sqrt, R = 32, W = 0.75 * 50,000 = 37,500. The reference reads its mean scheduler before stepping
+    it, so update u (1-based) runs r = ceil(32 (1 - sqrt(1 - (u - 1) / W))). r >= m + 1 once
+    (u - 1) / W > 1 - ((32 - m) / 32)^2: u - 1 > 37,500 * 63/1024 = 2,307.1, * 124/1024 = 4,541.0,
+    * 183/1024 = 6,701.7, i.e. r reaches 2, 3, 4 at updates 2,309, 4,543, 6,703."""
+    schedule = paper_schedule()
+    expected = {1: 1, 2308: 1, 2309: 2, 4542: 2, 4543: 3, 6702: 3, 6703: 4, 37_500: 32, 37_501: 32, 50_000: 32}
+    assert {u: schedule.mean(u) for u in expected} == expected
+    # The sampler draws at that mean: the trainer's logs, its (n, k) and tools/flops.py read one schedule.
+    assert schedule.sample(2309, 1) == RecurrenceSampler().sample(2, 8, 2309, 1)
+    assert schedule.sample(2308, 1) == RecurrenceSampler().sample(1, 8, 2308, 1)
+
+
+BACKPROP_W = 3125  # backprop_warmup_fraction 0.125 of 25,000 updates
+
+
+def test_backprop_depth_curriculum_is_the_references():
+    """The reference's depth ramp: a warmup-stable-decay scheduler from min_lr_ratio = 1/8 to lr = 8, so
+    after j scheduler steps it holds 8 (1/8 + 7/8 j / W) = 1 + 7 j / W, used as ceil(...). It is stepped
+    once before training (train.py: "so we get 2 out of the scheduler and not 1") and after every
+    update, so update u (1-based) trains at d(u) = ceil(1 + 7 u / W) for u < W and 8 from u = W on.
+
+    u = 0 is never trained: the formula (and this curriculum at position 0) gives 1 there, and the
+    first update already runs 2, which is what "starting at 2" means.
+    """
+    schedule = paper_schedule(steps=25_000, backprop_curriculum=True, backprop_warmup_fraction=0.125)
+    depth = lambda u: 8 if u >= BACKPROP_W else math.ceil(1 + 7 * u / BACKPROP_W)  # noqa: E731
+    # u = 1, W/7 (446.4: either side), W/2 (1562.5: either side), W - 1, W.
+    updates = (1, 446, 447, 1562, 1563, BACKPROP_W - 1, BACKPROP_W)
+    expected = {1: 2, 446: 2, 447: 3, 1562: 5, 1563: 5, BACKPROP_W - 1: 8, BACKPROP_W: 8}
+    assert {u: depth(u) for u in updates} == expected
+    assert {u: schedule.backprop_depth(u) for u in updates} == expected
+    assert Curriculum("interpolate", 8, 25_000, 0.125).value(0) == depth(0) == 1
+    assert all(schedule.backprop_depth(u) == depth(u) for u in range(1, 25_001))
+    # The old ramp, max(start, ceil(8 u / W)), stays available as the "linear" kind; it differs at 1,562
+    # of the 25k updates.
+    linear = paper_schedule(
+        steps=25_000, backprop_curriculum=True, backprop_warmup_fraction=0.125, backprop_curriculum_kind="linear"
+    )
+    assert all(linear.backprop_depth(u) == max(1, math.ceil(8 * u / BACKPROP_W)) for u in range(1, BACKPROP_W))
+    assert sum(linear.backprop_depth(u) != depth(u) for u in range(1, 25_001)) == 1562
+
+
+def test_backprop_depth_caps_the_grad_window_at_the_mean():
+    """The reference trains k <= min(d, r): with r below the depth, all iterations carry grad."""
+    schedule = paper_schedule(steps=25_000, backprop_curriculum=True, backprop_warmup_fraction=0.125)
+    assert (schedule.mean(1), schedule.backprop_depth(1)) == (1, 2)
+    assert schedule.sample(1) == (0, 1)
+
+
+def test_warmup_rounds_up_to_whole_steps():
+    """W = ceil(fraction * steps), as the reference's math.ceil(warmup * max_training_steps)."""
+    c = Curriculum("linear", max_value=10, total_steps=1001, warmup_fraction=0.5)
+    assert c.warmup_steps == 501
+    assert (c.value(500), c.value(451), c.value(450)) == (10, 10, 9)  # ceil(10 * 450 / 501) = 9

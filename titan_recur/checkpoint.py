@@ -8,10 +8,12 @@ See docs/checkpointing.md.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import re
 import shutil
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +35,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 STEP_PATTERN = re.compile(r"^step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
 # DCP warns on every save/load without a process group; one process is a supported way to train here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+_NO_PROCESS_GROUP_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
 
 class CheckpointError(RuntimeError):
@@ -157,10 +159,12 @@ class CheckpointManager:
             partial.mkdir(parents=True)
         _barrier()
         if self.async_mode == "async":
-            future = dcp.async_save(self.states, checkpoint_id=str(partial), process_group=self._async_group)
+            with _quiet_without_process_group():
+                future = dcp.async_save(self.states, checkpoint_id=str(partial), process_group=self._async_group)
             self._pending = (step, future)
         else:
-            dcp.save(self.states, checkpoint_id=str(partial))
+            with _quiet_without_process_group():
+                dcp.save(self.states, checkpoint_id=str(partial))
             self._complete(step)
 
     def wait(self) -> None:
@@ -240,7 +244,8 @@ def read_metadata(path: Path) -> Metadata:
     if not file.is_file():
         raise CheckpointError(f"{path}: not a complete DCP checkpoint (no .metadata)")
     try:
-        return dcp.FileSystemReader(str(path)).read_metadata()
+        with _quiet_without_process_group():
+            return dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:
         raise CheckpointError(f"{file}: unreadable (truncated or corrupt?): {_describe(err)}") from err
 
@@ -249,7 +254,8 @@ def load_from(path: Path, states: dict[str, Stateful]) -> None:
     """dcp.load ``states`` from a checkpoint folder; a shape mismatch or missing tensor is one clear line."""
     read_metadata(path)
     try:
-        dcp.load(states, checkpoint_id=str(path))
+        with _quiet_without_process_group():
+            dcp.load(states, checkpoint_id=str(path))
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
@@ -262,6 +268,13 @@ def _describe(err: BaseException) -> str:
         err = next(iter(err.failures.values()))[0]
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+@contextlib.contextmanager
+def _quiet_without_process_group() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_PROCESS_GROUP_WARNING)
+        yield
 
 
 def _is_rank0() -> bool:

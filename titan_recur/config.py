@@ -27,6 +27,10 @@ except ModuleNotFoundError:  # Python < 3.11
 
 from titan_recur.models.args import PRESETS
 
+# Activation checkpointing modes of the parallelize recipe (their FLOP cost is in titan_recur.flops).
+ACMode = Literal["none", "full", "per_iteration"]
+AC_MODES: tuple[str, ...] = get_args(ACMode)
+
 _CLI = "command line"
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
@@ -95,14 +99,31 @@ class Training:
         "bfloat16", "Parameter dtype for FSDP compute; ignored on CPU, which always uses float32."
     )
     mixed_precision_reduce: Literal["float32", "bfloat16"] = opt("float32", "Gradient reduce-scatter dtype.")
-    compile: bool = opt(False, "Compile the model with torch.compile.")
-    ac_mode: Literal["none", "full", "per_iteration"] = opt(
+    mixed_precision_mode: Literal["fsdp", "autocast"] = opt(
+        "fsdp",
+        "How mixed_precision_param applies. 'fsdp': FSDP2 casts the parameters, so the whole residual stream "
+        "runs in it (skipped on CPU). 'autocast': fp32 parameters and torch.autocast(mixed_precision_param) "
+        "around the forward, as the reference does: matmuls in bf16, the prelude's residual stream and the "
+        "norms in fp32, closer logits; all-gathers move fp32, 2x the bytes (also on CPU). See docs/benchmarks.md.",
+    )
+    compile: bool = opt(
+        False, "torch.compile each prelude/coda block and the whole core iteration (the loop stays eager)."
+    )
+    loss_chunk_tokens: int = opt(
+        1024,
+        "Compute the head matmul and the loss this many tokens at a time, recomputed in backward, so the "
+        "full (tokens x vocab) logits are never held (4 GiB fp32 at vocab 128k and 8k tokens); 0 = unchunked.",
+    )
+    ac_mode: ACMode = opt(
         "per_iteration",
         "Activation checkpointing: 'full' = every block incl. each core iteration; 'per_iteration' = "
         "each grad-carrying core iteration plus prelude/coda blocks; 'none' = off.",
     )
     skip_nonfinite: bool = opt(False, "Skip optimizer steps whose loss or grad norm is not finite.")
     max_skipped_steps: int = opt(10, "Abort the run once more than this many steps were skipped.")
+    inject_nan_at_step: int = opt(
+        0, "Debug: make the loss of this step NaN, to exercise the non-finite guard end to end; 0 = off."
+    )
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "'auto' = cuda when available, else cpu.")
 
 
@@ -121,7 +142,13 @@ class Recurrence:
     seed: int = opt(514229, "Seed of the iteration-count sampler (identical on every rank).")
     mean_offset: bool = opt(True, "Offset the sampler so that E[n + k] = r + 1, as the reference does.")
     backprop_curriculum: bool = opt(False, "Ramp backprop_depth up from backprop_start too.")
-    backprop_start: int = opt(1, "Backprop depth at step 0 when backprop_curriculum is on.")
+    backprop_curriculum_kind: Literal["interpolate", "linear"] = opt(
+        "interpolate",
+        "Backprop-depth ramp, read at update u (1-based) over W = backprop_warmup_fraction * steps: "
+        "'interpolate' = ceil(start + (backprop_depth - start) u / W), the reference's (from 2 at u = 1 "
+        "with start 1); 'linear' = max(start, ceil(backprop_depth u / W)).",
+    )
+    backprop_start: int = opt(1, "Backprop depth the ramp starts from (update 0) when backprop_curriculum is on.")
     backprop_warmup_fraction: float = opt(0.25, "Fraction of steps over which the backprop depth ramps up.")
 
 
@@ -138,11 +165,13 @@ class Optimizer:
     ns_steps: int = opt(5, "Newton-Schulz iterations of Muon's orthogonalisation.")
     weight_decay: float = opt(1e-4, "Muon decoupled weight decay.")
     fuse_qkv: bool = opt(
-        False, "Orthogonalise q,k,v as one matrix and gate+up as one, like the reference."
+        False,
+        "Orthogonalise q,k,v as one matrix and gate+up as one, like the reference's recurrent models (its "
+        "static baselines keep HF's separate matrices: false).",
     )
     adamw_lr: float = opt(5e-5, "AdamW learning rate.")
     adamw_betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas.")
-    adamw_eps: float = opt(1e-8, "AdamW epsilon.")
+    adamw_eps: float = opt(1e-10, "AdamW epsilon; 1e-10 is the reference's (its Muon package's aux-Adam default).")
     adamw_weight_decay: float = opt(1e-4, "AdamW decoupled weight decay.")
 
 
@@ -211,7 +240,17 @@ class Data:
     phases: list[DataPhase] = opt([], "Mixtures that take over during training.")
     tokenizer: str | None = opt(None, "Folder with tokenizer files; none = model.path.")
     num_workers: int = opt(0, "DataLoader worker processes per rank.")
-    validation_fraction: float = opt(0.0, "Fraction of the data held out for validation.")
+    validation_fraction: float = opt(
+        0.0,
+        "Fraction of the documents held out for validation, by content hash: the validation split is the "
+        "documents of the final mixture whose hash falls below it, so each held-out document costs reading "
+        "about 1 / fraction documents (1,000 at 0.001).",
+    )
+    validation_sources: list[DataSource] = opt(
+        [],
+        "A validation split of its own (a file, or a hub split such as split = 'validation'), read whole "
+        "instead of the hash split: no reading cost beyond its own documents; set validation_fraction = 0.",
+    )
     reshard: Literal["error", "restart"] = opt(
         "error",
         "Resuming with another data geometry (dp ranks, workers, batch): 'error' refuses; 'restart' "
@@ -499,6 +538,8 @@ _AT_LEAST = {
     "training.local_batch_size": 1,
     "training.seq_len": 1,
     "training.max_skipped_steps": 0,
+    "training.inject_nan_at_step": 0,
+    "training.loss_chunk_tokens": 0,
     "recurrence.start": 1,
     "recurrence.backprop_depth": 1,
     "recurrence.backprop_start": 1,
@@ -543,16 +584,10 @@ def _validate_model(m: Model) -> None:
     hint = _suggest(m.preset, list(PRESETS))
     known = f" (did you mean {hint!r}?)" if hint else f"; known: {', '.join(PRESETS)}"
     _require(m.preset in PRESETS, f"unknown model.preset {m.preset!r}{known}")
-    preset = PRESETS[m.preset]
-    example = ",".join(map(str, preset.default_shape))
-    _require(
-        len(m.shape) == 3 and min(m.shape) >= 0,
-        f"model.preset needs model.shape = P,R,C (three counts >= 0, e.g. {example}), got {m.shape}",
-    )
-    _require(
-        sum(m.shape) <= preset.n_layers,
-        f"model.shape {m.shape} needs {sum(m.shape)} layers; {m.preset} has {preset.n_layers}",
-    )
+    try:
+        PRESETS[m.preset].check_shape(m.shape, m.preset)
+    except ValueError as err:
+        raise ConfigError(f"invalid config: {err}") from None
     if not m.path:
         _require(m.init == "random", "model.preset has no weights: set model.init = 'random' (or use model.path)")
 
@@ -568,6 +603,12 @@ def _validate_data(d: Data) -> None:
     for j, phase in enumerate(d.phases):
         _require(phase.sources, f"[data.phases][{j}] has no sources")
         sources += [(f"[data.phases][{j}].sources[{i}]", s) for i, s in enumerate(phase.sources)]
+    _require(
+        not (d.validation_sources and d.validation_fraction > 0),
+        "[[data.validation_sources]] are the validation split: set data.validation_fraction = 0 (a hash split "
+        "would also hold documents out of training)",
+    )
+    sources += [(f"[data.validation_sources][{i}]", s) for i, s in enumerate(d.validation_sources)]
     for where, s in sources:
         _require(s.path, f"{where} needs a path")
         _require(s.weight > 0, f"{where} weight must be > 0, got {s.weight}")
@@ -582,12 +623,10 @@ def validate(cfg: JobConfig) -> None:
     for name in _FRACTIONS:
         _require(0 <= _get(cfg, name) <= 1, f"{name} must be in [0, 1], got {_get(cfg, name)}")
     t, r, o, s = cfg.training, cfg.recurrence, cfg.optimizer, cfg.lr_scheduler
-    gbs = t.global_batch_size
-    _require(
-        gbs is None or (gbs >= 1 and gbs % t.local_batch_size == 0),
-        f"training.global_batch_size ({gbs}) must be a multiple of local_batch_size * dp "
-        f"(local_batch_size = {t.local_batch_size})",
-    )
+    try:
+        grad_accum_steps(t, dp_world=None)
+    except ConfigError as err:
+        raise ConfigError(f"invalid config: {err}") from None
     _require(
         r.mean_recurrence >= r.start,
         f"recurrence.mean_recurrence ({r.mean_recurrence}) must be >= recurrence.start ({r.start})",
@@ -598,8 +637,9 @@ def validate(cfg: JobConfig) -> None:
     )
     _require(0 <= o.momentum < 1, f"optimizer.momentum must be in [0, 1), got {o.momentum}")
     _require(
-        not cfg.validation.enable or cfg.data.validation_fraction > 0,
-        "validation.enable needs data.validation_fraction > 0 (held-out documents to validate on)",
+        not cfg.validation.enable or cfg.data.validation_fraction > 0 or cfg.data.validation_sources,
+        "validation.enable needs data.validation_fraction > 0 or [[data.validation_sources]] (held-out "
+        "documents to validate on)",
     )
     _require(all(r >= 1 for r in cfg.validation.recurrences), "validation.recurrences must all be >= 1")
     betas = o.adamw_betas
@@ -617,6 +657,21 @@ def validate(cfg: JobConfig) -> None:
     _require(peak is None or peak > 0, f"metrics.peak_flops must be > 0, got {peak}")
     _validate_model(cfg.model)
     _validate_data(cfg.data)
+
+
+def grad_accum_steps(t: Training, dp_world: int | None) -> int:
+    """Micro-steps per optimizer step: global_batch_size / (local_batch_size x dp ranks).
+
+    ``dp_world=None`` checks only what holds for every world size (a multiple of local_batch_size).
+    """
+    per_micro_step = t.local_batch_size * (dp_world or 1)
+    global_batch = t.global_batch_size or per_micro_step
+    if global_batch < 1 or global_batch % per_micro_step:
+        divisor = f"local_batch_size ({t.local_batch_size})"
+        if dp_world:
+            divisor = f"local_batch_size x data-parallel ranks ({t.local_batch_size} x {dp_world} = {per_micro_step})"
+        raise ConfigError(f"training.global_batch_size ({global_batch}) must be a multiple of {divisor}")
+    return global_batch // per_micro_step
 
 
 # ---------------------------------------------------------------------------------------------

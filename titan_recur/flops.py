@@ -1,4 +1,4 @@
-"""Parameter counts, FLOPs and MFU of a depth-recurrent LM, analytically from ModelArgs (SPEC §4).
+"""Parameter counts, FLOPs and MFU of a depth-recurrent LM, analytically from ModelArgs (docs/method.md §4).
 
 TorchTitan's 6 * N FLOPs/token counts each parameter once, which is wrong for a looped model. Two
 conventions are provided instead:
@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from titan_recur.config import AC_MODES, grad_accum_steps
 from titan_recur.models.args import PRESETS, ModelArgs
-from titan_recur.parallelize import AC_MODES
+from titan_recur.models.io import resolve_model_args
+from titan_recur.models.model import resolve_num_steps
 from titan_recur.recurrence import RecurrenceSchedule
 
 if TYPE_CHECKING:
@@ -163,14 +165,6 @@ def _block_flops(args: ModelArgs, seq_len: int) -> float:
     return 2 * _block_matmul_params(args) + attention_flops_per_token(args, seq_len)
 
 
-def _check_num_steps(args: ModelArgs, num_steps: tuple[int, int]) -> tuple[int, int]:
-    """(n, k) as ints; a recurrent model needs at least one iteration. A static model ignores them."""
-    n, k = (int(v) for v in num_steps)
-    if n < 0 or k < 0 or (args.is_recurrent and n + k < 1):
-        raise ValueError(f"num_steps must give at least one iteration and no negative counts, got {num_steps}")
-    return n, k
-
-
 def training_flops_per_token(
     args: ModelArgs, num_steps: tuple[int, int], seq_len: int, ac_mode: str = "none"
 ) -> FlopBreakdown:
@@ -186,9 +180,8 @@ def training_flops_per_token(
     """
     if ac_mode not in AC_MODES:
         raise ValueError(f"ac_mode must be one of {AC_MODES}, got {ac_mode!r}")
-    n, k = _check_num_steps(args, num_steps)
-    if not args.is_recurrent:
-        n, k = 0, 0
+    # A static model has no loop: its (n, k) is ignored.
+    n, k = resolve_num_steps(num_steps, args) if args.is_recurrent else (0, 0)
     block = _block_flops(args, seq_len)
     adapter_half = 2 * args.dim * args.dim
     injection = adapter_half if args.is_recurrent else 0.0
@@ -310,35 +303,24 @@ class TrainingRun:
         return self._per_token[num_steps]
 
 
-def batch_geometry(local_batch_size: int, global_batch_size: int | None, seq_len: int, world_size: int) -> tuple[int, int]:
-    """(tokens per optimizer step, micro-steps per step) as the trainer derives them on world_size ranks."""
-    per_micro_step = local_batch_size * world_size
-    sequences = global_batch_size or per_micro_step
-    if sequences % per_micro_step:
-        raise ValueError(
-            f"training.global_batch_size ({sequences}) is not a multiple of local_batch_size "
-            f"({local_batch_size}) x --world-size ({world_size})"
-        )
-    return sequences * seq_len, sequences // per_micro_step
-
-
 def config_training_run(cfg: JobConfig, world_size: int = 1, args: ModelArgs | None = None) -> TrainingRun:
     """The FLOP account of a train config (or a run's saved config.json) on world_size data-parallel ranks.
 
+    The one place a config's FLOPs are derived (tools/flops.py, preflight and the comparison use it).
     The architecture is ``args`` if given (e.g. a run's exported final_model), else the model folder,
-    else model.preset + shape (a config whose folder is not converted yet). The schedule and the
-    batch are the trainer's.
+    else model.preset + shape (a config whose folder is not converted yet). Schedule and batch are the
+    trainer's: ``RecurrenceSchedule.from_config`` and ``grad_accum_steps``.
     """
-    from titan_recur.train import build_recurrence_schedule, resolve_model_args  # train imports this module
-
     m, t = cfg.model, cfg.training
     if args is None:
         if m.path and m.preset and not Path(m.path).is_dir():
             args = PRESETS[m.preset].model_args(*m.shape)  # not converted yet: FLOPs need the shape only
         else:
-            args = resolve_model_args(cfg)
-    tokens_per_step, micro_steps = batch_geometry(t.local_batch_size, t.global_batch_size, t.seq_len, world_size)
-    return TrainingRun(args, build_recurrence_schedule(cfg), tokens_per_step, t.seq_len, micro_steps)
+            args = resolve_model_args(m)
+    micro_steps = grad_accum_steps(t, world_size)
+    tokens_per_step = micro_steps * t.local_batch_size * world_size * t.seq_len
+    schedule = RecurrenceSchedule.from_config(cfg.recurrence, t.steps)
+    return TrainingRun(args, schedule, tokens_per_step, t.seq_len, micro_steps)
 
 
 def matching_steps(run: TrainingRun, steps: int, other: TrainingRun, convention: str) -> float:

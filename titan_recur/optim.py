@@ -1,4 +1,4 @@
-"""Optimizers (SPEC §3): Muon for block and adapter matrices, AdamW for the rest, one WSD schedule.
+"""Optimizers (docs/method.md §3): Muon for block and adapter matrices, AdamW for the rest, one WSD schedule.
 
 Muon orthogonalises whole matrices, but FSDP2 shards every parameter on dim 0. `Muon` keeps the
 momentum buffer sharded (its update is elementwise) and hands each matrix's Nesterov update to one
@@ -24,8 +24,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from titan_recur.config import LRScheduler, Optimizer
+from titan_recur.models.model import RecurrentLM
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-MUON_MODULE_PREFIXES = ("prelude.", "core.", "coda.")
 
 NamedParams = list[tuple[str, nn.Parameter]]
 
@@ -67,7 +69,7 @@ class _Unit:
         rows, cols = self.shape
         adjusted_lr = lr * math.sqrt(max(1, rows / cols))
         for p, o in zip(self.params, orthogonalised):
-            local = _local(p)
+            local = local_tensor(p)
             local.mul_(1 - lr * weight_decay)
             local.add_(o, alpha=-adjusted_lr)
 
@@ -147,7 +149,7 @@ class Muon(torch.optim.Optimizer):
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-        grad, buf, momentum = _local(p.grad), _local(state["momentum_buffer"]), group["momentum"]
+        grad, buf, momentum = local_tensor(p.grad), local_tensor(state["momentum_buffer"]), group["momentum"]
         buf.lerp_(grad, 1 - momentum)
         return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
@@ -183,7 +185,7 @@ class Muon(torch.optim.Optimizer):
         return loss
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local shard (a view sharing storage) of a DTensor; plain tensors unchanged."""
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -287,24 +289,23 @@ def _exchange(
 # ---------------------------------------------------------------- parameter roles
 
 
-def split_params_for_muon(model: nn.Module) -> tuple[NamedParams, NamedParams]:
-    """(Muon, AdamW) named params: Muon takes every 2-D weight of the blocks and the adapter.
+def split_params_for_muon(model: RecurrentLM) -> tuple[NamedParams, NamedParams]:
+    """(Muon, AdamW) named trainable params: Muon takes every 2-D weight of the blocks and the adapter.
 
-    AdamW takes embeddings, LM head, norms and biases. A tied head is the embedding's parameter
-    and named_parameters() yields it once, as embed_tokens.weight.
+    AdamW takes embeddings, LM head, norms and biases (a tied head is the embedding).
     """
+    hidden_matrices = {id(p) for _, p in model.parameters_by_role()["hidden_matrix"]}
     muon, adamw = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (muon if p.ndim == 2 and name.startswith(MUON_MODULE_PREFIXES) else adamw).append((name, p))
+            (muon if id(p) in hidden_matrices else adamw).append((name, p))
     return muon, adamw
 
 
-def fused_matrix_groups(model: nn.Module) -> list[list[nn.Parameter]]:
+def fused_matrix_groups(model: RecurrentLM) -> list[list[nn.Parameter]]:
     """[q, k, v] and [gate, up] weights of every block: the reference's fused projections."""
-    blocks = [*model.prelude, *(model.core.blocks if model.core is not None else []), *model.coda]
     groups = []
-    for block in blocks:
+    for block in model.blocks():
         attn, mlp = block.self_attn, block.mlp
         groups.append([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         groups.append([mlp.gate_proj.weight, mlp.up_proj.weight])
@@ -331,11 +332,12 @@ def wsd_factor(
 ) -> float:
     """LR multiplier of optimizer step `step` (0-based: the factor the step-th optimizer.step() uses).
 
-    Warmup: W = ceil(warmup_fraction * total) steps, factor min + (1 - min) * step / W, so step 0
-    uses min_lr_factor and step W the full LR. Decay: the last D = ceil(decay_fraction * total)
-    steps, progress (step - (total - D) + 1) / D, so the first decay step is already below 1 and
-    the final step (total - 1) uses exactly min_lr_factor; later steps keep the final factor. If the
-    two phases overlap the smaller factor wins.
+    The reference's warmup-stable-decay (transformers' ``get_wsd_schedule``). Warmup: W =
+    ceil(warmup_fraction * total) steps, factor min + (1 - min) * step / W, so step 0 uses
+    min_lr_factor and step W the full LR. Decay: the last D = ceil(decay_fraction * total) steps,
+    progress (step - (total - D)) / D, so the first decay step still uses the full LR and the factor
+    reaches min_lr_factor at step total (after the last update); later steps keep it. If the two
+    phases overlap the smaller factor wins.
     """
     if decay_type not in ("cosine", "linear"):
         raise ValueError(f"decay_type must be 'cosine' or 'linear', got {decay_type!r}")
@@ -345,7 +347,7 @@ def wsd_factor(
     if step < warmup:
         factor = min_lr_factor + (1.0 - min_lr_factor) * step / warmup
     if decay > 0 and step >= total_steps - decay:
-        progress = min(1.0, (step - (total_steps - decay) + 1) / decay)
+        progress = min(1.0, (step - (total_steps - decay)) / decay)
         shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if decay_type == "cosine" else 1.0 - progress
         factor = min(factor, min_lr_factor + (1.0 - min_lr_factor) * shape)
     return factor
@@ -392,7 +394,9 @@ class OptimizersContainer:
             scheduler.load_state_dict(state)
 
 
-def build_optimizers(model: nn.Module, cfg_optimizer: Any, cfg_scheduler: Any, total_steps: int) -> OptimizersContainer:
+def build_optimizers(
+    model: RecurrentLM, cfg_optimizer: Optimizer, cfg_scheduler: LRScheduler, total_steps: int
+) -> OptimizersContainer:
     """Optimizers for a (possibly FSDP2-sharded) RecurrentLM; build after parallelising the model.
 
     "muon": Muon (lr, momentum, nesterov, ns_steps, weight_decay; q,k,v and gate,up fused when
@@ -435,20 +439,28 @@ def build_optimizers(model: nn.Module, cfg_optimizer: Any, cfg_scheduler: Any, t
     return OptimizersContainer(optimizers, lr_lambda)
 
 
-# ---------------------------------------------------------------- gradient clipping
+# ---------------------------------------------------------------- gradient norm
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Clip to a global 2-norm and return it as a plain tensor; FSDP2 DTensor grads on one mesh are fine.
+def grad_square_sum(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared gradient entries held by this rank (its shards for FSDP2 DTensors), in fp32.
 
-    The norm of DTensor grads comes back partial; full_tensor() all-reduces it once. A non-finite
-    norm is returned as-is and the grads are then unusable (inf zeroes them, nan spreads): the
-    trainer must skip that step.
+    Summed over the ranks of an FSDP group it is the squared global norm (over an HSDP mesh each
+    shard is counted once per replica); the trainer reduces it with the step's other scalars, so
+    clipping costs no collective of its own. Non-finite gradients give a non-finite sum.
     """
-    params = [p for p in parameters if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-    if isinstance(total_norm, DTensor):
-        total_norm = total_norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
-    return total_norm
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+    norms = torch._foreach_norm(grads, 2.0)
+    return torch.stack([n.float() for n in norms]).square().sum()
+
+
+def clip_coefficient(grad_norm: float, max_norm: float) -> float:
+    """The factor that brings the gradient norm down to max_norm (1 when it is below), as torch's clipping."""
+    return min(1.0, max_norm / (grad_norm + 1e-6))
+
+
+@torch.no_grad()
+def scale_grads_(params: Iterable[torch.Tensor], factor: float) -> None:
+    """Multiply every gradient (its local shard) by ``factor`` in place, in one fused kernel per dtype."""
+    torch._foreach_mul_([local_tensor(p.grad) for p in params if p.grad is not None], factor)

@@ -3,12 +3,14 @@
 Where a looped block breaks TorchTitan's assumptions:
 - The recurrent core is ONE FSDP unit (the loop owner), so its weights are all-gathered once in forward
   and once in backward and reduce-scattered once per step, whatever the number of iterations.
-- Compile wraps each block, never the loop: the loop stays plain Python, so the number of iterations
-  never enters a graph and never triggers a recompile.
+- Compile wraps each prelude/coda block and one whole core iteration, never the loop: the loop stays
+  plain Python, so the number of iterations never enters a graph and never triggers a recompile.
 - Activation checkpointing of the core is per grad-carrying iteration; no-grad iterations store nothing.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -16,13 +18,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from titan_recur.config import AC_MODES
 from titan_recur.models.model import RecurrentLM
 
-AC_MODES = ("none", "full", "per_iteration")
 
-
-def build_dp_mesh(device_type: str, world_size: int, dp_replicate: int, dp_shard: int) -> DeviceMesh:
-    """1-D mesh for FSDP, 2-D (dp_replicate, dp_shard) for HSDP; dp_shard=-1 takes the rest of the world."""
+def dp_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int) -> tuple[int, int]:
+    """(replicas, shards) of the data-parallel mesh; dp_shard=-1 takes the rest of the world."""
     if dp_shard == -1:
         if world_size % dp_replicate:
             raise ValueError(f"world size {world_size} is not divisible by parallel.dp_replicate={dp_replicate}")
@@ -32,39 +33,50 @@ def build_dp_mesh(device_type: str, world_size: int, dp_replicate: int, dp_shard
             f"parallel.dp_replicate ({dp_replicate}) x parallel.dp_shard ({dp_shard}) = "
             f"{dp_replicate * dp_shard} does not match the world size {world_size}"
         )
+    return dp_replicate, dp_shard
+
+
+def build_dp_mesh(device_type: str, world_size: int, dp_replicate: int, dp_shard: int) -> DeviceMesh:
+    """1-D mesh for FSDP, 2-D (dp_replicate, dp_shard) for HSDP; dp_shard=-1 takes the rest of the world."""
+    dp_replicate, dp_shard = dp_mesh_shape(world_size, dp_replicate, dp_shard)
     if dp_replicate == 1:
         return init_device_mesh(device_type, (dp_shard,), mesh_dim_names=("dp_shard",))
     return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def apply_activation_checkpointing(model: RecurrentLM, mode: str) -> None:
-    """Checkpoint prelude/coda blocks, and the core per iteration ("per_iteration") or per block ("full")."""
+    """Checkpoint prelude/coda blocks, and the core per iteration ("per_iteration") or per block ("full").
+
+    Checkpointing recomputes only what ran with grad: the no-grad iterations store nothing anyway.
+    """
     if mode not in AC_MODES:
         raise ValueError(f"ac_mode must be one of {AC_MODES}, got {mode!r}")
     if mode == "none":
         return
-    for blocks in (model.prelude, model.coda):
+    stacks = [model.prelude, model.coda]
+    if model.core is not None and mode == "full":
+        stacks.append(model.core.blocks)
+    for blocks in stacks:
         for i, block in enumerate(blocks):
-            blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
-    if model.core is None:
-        return
-    if mode == "per_iteration":
-        model.core.checkpoint_iterations = True
-    else:
-        for i, block in enumerate(model.core.blocks):
-            model.core.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+            blocks[i] = _checkpointed(block)
+    if model.core is not None and mode == "per_iteration":
+        model.core.iteration = _checkpointed(model.core.iteration)
 
 
-def transformer_blocks(model: RecurrentLM) -> list[nn.Module]:
-    """Every block of every stack, in order (possibly AC-wrapped)."""
-    core_blocks = list(model.core.blocks) if model.core is not None else []
-    return [*model.prelude, *core_blocks, *model.coda]
+def _checkpointed(module: nn.Module) -> nn.Module:
+    return checkpoint_wrapper(module, preserve_rng_state=False)
 
 
 def apply_compile(model: RecurrentLM) -> None:
-    """Compile each block on its own; the same graphs serve every iteration of the loop."""
-    for block in transformer_blocks(model):
+    """Compile each prelude/coda block, and the whole core iteration (A_s s + R blocks) as one graph.
+
+    The loop stays eager, so (n, k) never enters a graph: one graph per grad mode serves every
+    iteration of every step, and nothing between the core's blocks runs outside it.
+    """
+    for block in [*model.prelude, *model.coda]:
         block.compile(fullgraph=True)
+    if model.core is not None:
+        model.core.iteration.compile(fullgraph=True)
 
 
 def apply_fsdp(model: RecurrentLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None) -> None:
@@ -83,13 +95,54 @@ def apply_fsdp(model: RecurrentLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPo
         # The head's output is the last thing in forward: keep it gathered for backward.
         fully_shard([model.norm, model.lm_head], reshard_after_forward=False, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    set_prefetch(model)
 
 
-def mixed_precision_policy(device_type: str, param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy | None:
-    """bf16 compute over fp32 master weights on accelerators; plain fp32 on CPU."""
+def set_prefetch(model: RecurrentLM) -> None:
+    """Explicit FSDP2 prefetch along the forward order of the units: each all-gathers the next one's
+    parameters while it computes (and the previous one's in backward). The first unit also starts the
+    core's all-gather, the largest, so that it overlaps the whole prelude."""
+    units = [*([model.embed_tokens] if not model.args.tie_embeddings else []), *model.prelude]
+    units += [model.core] if model.core is not None else []
+    units += [*model.coda, *([model.norm] if not model.args.tie_embeddings else [])]
+    for i, unit in enumerate(units):
+        ahead = units[i + 1 : i + 2]
+        if i == 0 and model.core is not None and model.core not in ahead and model.core is not unit:
+            ahead.append(model.core)
+        if ahead:
+            unit.set_modules_to_forward_prefetch(ahead)
+        if i > 0:
+            unit.set_modules_to_backward_prefetch([units[i - 1]])
+
+
+MIXED_PRECISION_MODES = ("fsdp", "autocast")
+
+
+def mixed_precision_policy(
+    device_type: str, param_dtype: str, reduce_dtype: str, mode: str = "fsdp"
+) -> MixedPrecisionPolicy | None:
+    """FSDP2's casts. "fsdp": compute in param_dtype over fp32 master weights, on accelerators only (plain
+    fp32 on CPU). "autocast": FSDP2 keeps fp32 parameters (and all-gathers fp32) and `forward_autocast`
+    lowers the matmuls instead."""
+    if mode not in MIXED_PRECISION_MODES:
+        raise ValueError(f"mixed precision mode must be one of {MIXED_PRECISION_MODES}, got {mode!r}")
     if device_type == "cpu":
         return None
-    return MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=getattr(torch, reduce_dtype))
+    compute = param_dtype if mode == "fsdp" else "float32"
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, compute), reduce_dtype=getattr(torch, reduce_dtype))
+
+
+def forward_autocast(device_type: str, param_dtype: str, mode: str) -> contextlib.AbstractContextManager:
+    """The context of the training forward: torch.autocast(param_dtype) in "autocast" mode, as the reference.
+
+    Linear layers then run in bf16 while values that never pass one (the embedding output, hence the
+    prelude's residual stream, and RMSNorm) stay fp32. CPU autocasts too, so the mode is testable there.
+    """
+    if mode not in MIXED_PRECISION_MODES:
+        raise ValueError(f"mixed precision mode must be one of {MIXED_PRECISION_MODES}, got {mode!r}")
+    if mode == "fsdp" or param_dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=getattr(torch, param_dtype))
 
 
 def parallelize_model(

@@ -23,18 +23,25 @@ the original (given the same torch version, whose samplers define the stream).
 
 Curricula. The mean recurrence, and optionally the backprop depth, ramp up over the first
 ``warmup_fraction`` of training (``Curriculum``). Everything is a pure function of the
-optimizer step, so checkpoints need no extra state.
+optimizer step, so checkpoints need no extra state. ``RecurrenceSchedule`` is the one place
+that maps the trainer's update number to a curriculum position (see its docstring), so the
+trainer's logs, tools/flops.py's FLOP replay and the sampler read the same values.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import torch
 
-CURRICULUM_KINDS = ("none", "linear", "1-sqrt")
+if TYPE_CHECKING:
+    from titan_recur.config import Recurrence
+
+CURRICULUM_KINDS = ("none", "linear", "1-sqrt", "interpolate")
 # The reference seeds its sampler with 514229 + step.
 DEFAULT_SEED = 514229
 DEFAULT_SIGMA = 0.5
@@ -112,11 +119,14 @@ class RecurrenceSampler:
 
 @dataclass(frozen=True)
 class Curriculum:
-    """An integer that ramps from ``start`` to ``max_value`` over the first W = warmup_fraction * total_steps steps.
+    """An integer ramping from ``start`` to ``max_value`` over W = ceil(warmup_fraction * total_steps) positions.
 
-    value(step) = max(start, ceil(max_value * phi(step / W))) for step < W, else max_value;
-    phi(x) = x ("linear"), 1 - sqrt(1 - x) ("1-sqrt"; slow start, most steps near the top),
-    and "none" is max_value throughout. W is not rounded to a whole step.
+    value(p) for p < W, x = p / W, and max_value for p >= W:
+      "linear"      max(start, ceil(max_value * x))
+      "1-sqrt"      max(start, ceil(max_value * (1 - sqrt(1 - x))))  (slow start, most positions near the top)
+      "interpolate" ceil(start + (max_value - start) * x)            (the reference's backprop-depth ramp)
+      "none"        max_value throughout.
+    W is rounded up to whole steps, as the reference rounds its warmup (math.ceil(warmup * max_steps)).
 
     Evaluated in exact rational arithmetic, with warmup_fraction read as the decimal it prints
     as: in floats, 10 * (1 - sqrt(1 - 255 / 500)) is 3.0000000000000004 and ceil would give 4.
@@ -139,15 +149,22 @@ class Curriculum:
         if not 0.0 <= self.warmup_fraction <= 1.0:
             raise ValueError(f"curriculum warmup_fraction must be in [0, 1], got {self.warmup_fraction!r}")
 
+    @functools.cached_property
+    def warmup_steps(self) -> int:
+        """W: the first position at max_value."""
+        return math.ceil(Fraction(str(self.warmup_fraction)) * self.total_steps)
+
     def value(self, step: int) -> int:
-        """The scheduled value at optimizer step ``step``."""
+        """The scheduled value at curriculum position ``step`` (0-based)."""
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
-        warmup = Fraction(str(self.warmup_fraction)) * self.total_steps
+        warmup = self.warmup_steps
         if self.kind == "none" or step >= warmup:
             return self.max_value
-        x = step / warmup
+        x = Fraction(step, warmup)
         top = self.max_value
+        if self.kind == "interpolate":
+            return math.ceil(self.start + (top - self.start) * x)
         if self.kind == "linear":
             ramp = math.ceil(top * x)
         else:
@@ -161,6 +178,13 @@ class RecurrenceSchedule:
 
     Stateless: every answer is a function of (step, micro_step), so checkpoint/resume only
     needs the optimizer step to replay the same depths.
+
+    ``step`` is the trainer's 1-based update number u (it also seeds the sampler). The curriculum
+    positions it reads are the reference's (its train.py), fixed here and nowhere else:
+    - the mean at position u - 1: the reference reads its mean scheduler before stepping it, so
+      update u uses the value after u - 1 scheduler steps (update 1 runs the start value);
+    - the backprop depth at position u: the reference steps its depth scheduler once before
+      training ("so we get 2 out of the scheduler and not 1"), so update u reads u / W of the ramp.
     """
 
     def __init__(
@@ -175,14 +199,34 @@ class RecurrenceSchedule:
         self._depth = backprop_depth
         self.sampler = sampler if sampler is not None else RecurrenceSampler()
 
+    @classmethod
+    def from_config(cls, cfg: Recurrence, total_steps: int) -> RecurrenceSchedule:
+        """The schedule of a ``[recurrence]`` config section over a run of ``total_steps`` updates."""
+        mean = Curriculum(cfg.curriculum, cfg.mean_recurrence, total_steps, cfg.warmup_fraction, start=cfg.start)
+        depth: int | Curriculum = cfg.backprop_depth
+        if cfg.backprop_curriculum:
+            depth = Curriculum(
+                cfg.backprop_curriculum_kind, cfg.backprop_depth, total_steps, cfg.backprop_warmup_fraction,
+                start=cfg.backprop_start,
+            )
+        sampler = RecurrenceSampler(sigma=cfg.sigma, seed=cfg.seed, mean_offset=cfg.mean_offset)
+        return cls(mean, depth, sampler)
+
     def mean(self, step: int) -> int:
-        return self._mean.value(step)
+        """Scheduled mean recurrence of update ``step`` (1-based)."""
+        return self._mean.value(_update_index(step) - 1)
 
     def backprop_depth(self, step: int) -> int:
-        if isinstance(self._depth, Curriculum):
-            return self._depth.value(step)
-        return self._depth
+        """Backprop depth of update ``step`` (1-based)."""
+        u = _update_index(step)
+        return self._depth.value(u) if isinstance(self._depth, Curriculum) else self._depth
 
     def sample(self, step: int, micro_step: int = 0) -> tuple[int, int]:
-        """(n, k) for one micro-step of optimizer step ``step``."""
+        """(n, k) for one micro-step of update ``step`` (1-based)."""
         return self.sampler.sample(self.mean(step), self.backprop_depth(step), step, micro_step)
+
+
+def _update_index(step: int) -> int:
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"update number (step) must be an integer >= 1, got {step!r}")
+    return step

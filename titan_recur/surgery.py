@@ -1,4 +1,4 @@
-"""Surgery (SPEC §2): turn a pretrained HF Llama / OLMo-2 checkpoint into a depth-recurrent model folder.
+"""Surgery (docs/method.md §2): turn a pretrained HF Llama / OLMo-2 checkpoint into a depth-recurrent model folder.
 
 The source layers are split into prelude / core / coda (the rest dropped), renamed into the
 RecurrentLM layout and joined by a new adapter. With the identity adapter A = [0 | I] and r = 1 the
@@ -15,25 +15,26 @@ import json
 import math
 import re
 import shutil
-import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
+from titan_recur.flops import param_counts
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.io import (
     CONFIG_NAME,
+    DTYPES as MODEL_DTYPES,
     WEIGHTS_NAME,
-    copy_tokenizer_files,
+    check_output_folder,
     read_model_args,
     savable_state_dict,
-    write_model_args,
+    write_atomically,
+    write_model_folder,
 )
 from titan_recur.models.model import RecurrentLM, init_identity_adapter
 from titan_recur.models.rope import SUPPORTED_ROPE_TYPES
@@ -41,7 +42,8 @@ from titan_recur.models.rope import SUPPORTED_ROPE_TYPES
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Olmo2ForCausalLM": "olmo2"}
 _ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 _DEFAULT_NORM_EPS = {"LlamaForCausalLM": 1e-6, "Olmo2ForCausalLM": 1e-5}  # transformers' defaults
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "source": None}
+# "source" keeps each tensor's stored dtype.
+DTYPES = {**MODEL_DTYPES, "source": None}
 INDEX_NAME = "model.safetensors.index.json"
 PROVENANCE_NAME = "conversion.json"
 # What a hub download fetches: configs, safetensors weights, tokenizers (Llama-3 keeps its tiktoken
@@ -399,18 +401,15 @@ def check_output(output: Path, force: bool, source: Path | None = None) -> None:
     """Refuse to write into an existing non-empty folder, or with --force over anything but a model folder."""
     if source is not None and output.resolve() == source.resolve():
         raise ConversionError(f"{output}: the output folder is the source folder")
-    if output.exists() and not output.is_dir():
-        raise ConversionError(f"{output} exists and is not a folder")
-    if not output.is_dir() or not any(output.iterdir()):
-        return
-    if not force:
-        raise ConversionError(f"{output} exists and is not empty; pass --force to overwrite it")
+    check_output_folder(output, force, _not_a_model_folder, ConversionError)
+
+
+def _not_a_model_folder(folder: Path) -> str | None:
     try:
-        read_model_args(output)
+        read_model_args(folder)
     except (OSError, ValueError, TypeError):
-        raise ConversionError(
-            f"refusing to overwrite {output} with --force: it is not a converted model folder"
-        ) from None
+        return "it is not a converted model folder"
+    return None
 
 
 def convert(
@@ -431,14 +430,7 @@ def convert(
     output = Path(output_dir)
     source = read_source(source_dir)
     check_output(output, force, source.folder)
-    if plan.n_source_layers != source.n_layers:
-        raise ConversionError(f"the plan is for {plan.n_source_layers} layers; the source has {source.n_layers}")
-    _check_options(options)
-    args = hf_config_to_model_args(source, plan, options)
-    weights = SourceWeights(source.folder)
-    shapes = target_shapes(args)
-    names = source_tensor_names(shapes, plan, source.tied)
-    _check_weights(weights, names, shapes, source, args.tie_embeddings)
+    args, weights, names = _checked_conversion(source, plan, options)
     if dry_run:
         return args
     state = _converted_state(weights, names, args, options)
@@ -446,6 +438,36 @@ def convert(
                   "n_source_layers": source.n_layers, "options": dataclasses.asdict(options)}
     write_atomically(output, lambda tmp: _write_folder(tmp, args, state, source.folder, provenance))
     return args
+
+
+def converted_state_dict(
+    source: SourceModel,
+    plan: LayerPlan,
+    options: ConvertOptions = ConvertOptions(),
+    weights: SourceWeights | None = None,
+) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """What ``convert`` writes, in memory: the converted ModelArgs and state dict, checked the same way.
+
+    weights: the source tensors by HF name; default the source folder's safetensors. Tools that
+    convert many candidates pass tensors already in memory (a SourceWeights subclass).
+    """
+    args, weights, names = _checked_conversion(source, plan, options, weights)
+    return args, _converted_state(weights, names, args, options)
+
+
+def _checked_conversion(
+    source: SourceModel, plan: LayerPlan, options: ConvertOptions, weights: SourceWeights | None = None
+) -> tuple[ModelArgs, SourceWeights, dict[str, str | None]]:
+    """The converted ModelArgs and tensor names, after checking the plan, options and source tensors."""
+    if plan.n_source_layers != source.n_layers:
+        raise ConversionError(f"the plan is for {plan.n_source_layers} layers; the source has {source.n_layers}")
+    _check_options(options)
+    args = hf_config_to_model_args(source, plan, options)
+    weights = weights if weights is not None else SourceWeights(source.folder)
+    shapes = target_shapes(args)
+    names = source_tensor_names(shapes, plan, source.tied)
+    _check_weights(weights, names, shapes, source, args.tie_embeddings)
+    return args, weights, names
 
 
 def _check_options(options: ConvertOptions) -> None:
@@ -479,51 +501,14 @@ def _converted_state(
 def _write_folder(
     folder: Path, args: ModelArgs, state: dict[str, torch.Tensor], source: Path, provenance: dict[str, Any]
 ) -> None:
-    write_model_args(args, folder)
-    save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-    (folder / WEIGHTS_NAME).chmod(0o644)  # safetensors creates it owner-only; the model folder is shareable
-    copied = copy_tokenizer_files(source, folder)
+    copied = write_model_folder(folder, args, state, source)
     # Llama-3 hub repos keep the tiktoken ranks file under original/.
     if "tokenizer.model" not in copied and (source / "original" / "tokenizer.model").is_file():
         shutil.copy2(source / "original" / "tokenizer.model", folder / "tokenizer.model")
     (folder / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
 
 
-def write_atomically(output: Path, write: Callable[[Path], None]) -> None:
-    """Build the folder beside OUTPUT, then swap it in by rename; on failure remove the partial folder."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
-    try:
-        tmp.chmod(0o755)
-        write(tmp)
-        if output.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=output.parent))
-            output.replace(old / output.name)
-            tmp.replace(output)
-            shutil.rmtree(old)
-        else:
-            tmp.replace(output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 # ---------------------------------------------------------------- summary
-
-
-_PARAM_PARTS = {
-    "embed_tokens": "embedding", "prelude": "prelude", "core.blocks": "core", "core.adapter": "adapter",
-    "coda": "coda", "norm": "norm", "lm_head": "head",
-}
-
-
-def count_parameters(args: ModelArgs) -> dict[str, int]:
-    """Parameters per part (a tied head counts under embedding only) and the total."""
-    counts = dict.fromkeys(_PARAM_PARTS.values(), 0)
-    for name, param in _meta_model(args).named_parameters():
-        counts[next(part for prefix, part in _PARAM_PARTS.items() if name.startswith(prefix + "."))] += param.numel()
-    counts["total"] = sum(counts.values())
-    return counts
 
 
 def format_summary(source: SourceModel, args: ModelArgs, source_name: str | None = None) -> str:
@@ -544,8 +529,8 @@ def format_summary(source: SourceModel, args: ModelArgs, source_name: str | None
         lines.append(f"recurrence    adapter {args.adapter_init}, state init {args.state_init} {std}".rstrip())
     else:
         lines.append("recurrence    none (static model: the kept layers as one plain stack)")
-    counts = count_parameters(args)
-    for part, n in counts.items():
+    counts = param_counts(args)
+    for part, n in {**dataclasses.asdict(counts), "total": counts.total}.items():
         note = " (tied to embedding)" if part == "head" and args.tie_embeddings else ""
         lines.append(f"params {part:<10} {n:>15,}{note}")
     depth = f"effective depth  r=1: {args.effective_depth(1)} blocks"

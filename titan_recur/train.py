@@ -6,20 +6,19 @@ under ``job.dump_folder``: checkpoints/, tb/, metrics.jsonl, config.json.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
 import signal
 import sys
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from titan_recur import flops
+from titan_recur import flops, preflight
 from titan_recur.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -29,17 +28,23 @@ from titan_recur.checkpoint import (
     TorchRNGState,
     load_from,
 )
-from titan_recur.config import ConfigError, JobConfig, config_to_dict, parse_args
+from titan_recur.config import ConfigError, JobConfig, config_to_dict, grad_accum_steps, parse_args
 from titan_recur.data import build_dataloader, check_data_config
-from titan_recur.eval.loss import mean_losses, validation_loss_sums
-from titan_recur.metrics import MetricsLogger, max_memory_gib
-from titan_recur.models.args import PRESETS, ModelArgs
-from titan_recur.models.io import WEIGHTS_NAME, read_model_args, write_model_args
+from titan_recur.metrics import MetricsLogger
+from titan_recur.models.args import ModelArgs
+from titan_recur.models.io import (
+    load_state_dict_into,
+    read_weights,
+    resolve_model_args,
+    write_model_folder,
+)
+from titan_recur.models.loss import count_labels
 from titan_recur.models.model import RecurrentLM
-from titan_recur.optim import build_optimizers, clip_grad_norm
-from titan_recur.parallelize import build_dp_mesh, mixed_precision_policy, parallelize_model
-from titan_recur.recurrence import Curriculum, RecurrenceSampler, RecurrenceSchedule
+from titan_recur.optim import build_optimizers, clip_coefficient, grad_square_sum, scale_grads_
+from titan_recur.parallelize import build_dp_mesh, forward_autocast, mixed_precision_policy, parallelize_model
+from titan_recur.recurrence import RecurrenceSchedule
 from titan_recur.tokenizer import check_vocab, load_tokenizer
+from titan_recur.validation import Validator
 
 # Exit codes (docs/checkpointing.md). After SIGTERM/SIGUSR1 with the checkpoint written: Slurm scripts
 # requeue on it.
@@ -48,9 +53,6 @@ EXIT_PREEMPTED = 42
 EXIT_NONFINITE = 3
 # Bad input: config, data, or a checkpoint that cannot be used. Nothing was written to the checkpoints.
 EXIT_BAD_INPUT = 2
-# Test hook: the loss of this step becomes NaN (exercises the non-finite guard end to end).
-TEST_NAN_STEP_ENV = "TITAN_RECUR_TEST_NAN_STEP"
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -79,41 +81,17 @@ def init_distributed(device_choice: str) -> DistInfo:
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
-def resolve_model_args(cfg: JobConfig) -> ModelArgs:
-    """The architecture from the converted folder, or from a preset shape (random init)."""
-    m = cfg.model
-    if not m.path:
-        return PRESETS[m.preset].model_args(*m.shape)
-    path = Path(m.path)
-    if not path.is_dir():
-        raise ConfigError(f"model.path {path}: no such folder (convert a model first: tools/convert_hf.py)")
-    args = read_model_args(path)
-    if m.preset:  # preset + shape beside a path: the architecture the folder must have
-        expected = PRESETS[m.preset].model_args(*m.shape)
-        fields = ("n_prelude", "n_core", "n_coda", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "block_type")
-        diff = [f"{f} {getattr(args, f)} != {getattr(expected, f)}" for f in fields if getattr(args, f) != getattr(expected, f)]
-        if diff:
-            raise ConfigError(f"model.path {path} is not model.preset {m.preset} with shape {m.shape}: {', '.join(diff)}")
-    return args
-
-
 class PreemptionFlag:
-    """Set by SIGTERM/SIGUSR1; acted upon at the next step boundary, agreed across ranks."""
+    """Set by SIGTERM/SIGUSR1 on this rank; ``agreed`` (any rank got one) travels with each step's reduction."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.agreed = False
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
         self.requested = True
-
-    def agreed(self, device: torch.device) -> bool:
-        if not dist.is_initialized():
-            return self.requested
-        flag = torch.tensor([int(self.requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
 class NonFiniteError(RuntimeError):
@@ -127,10 +105,10 @@ class Trainer:
         self.cfg = cfg
         self.dist = init_distributed(cfg.training.device)
         self.dump = Path(cfg.job.dump_folder)
-        self.model_args = resolve_model_args(cfg)
+        self.model_args = resolve_model_args(cfg.model)
         self.tokenizer = self._load_tokenizer()
         self.dp_world = self.dist.world_size
-        self.grad_accum = self._grad_accum_steps()
+        self.grad_accum = grad_accum_steps(cfg.training, self.dp_world)
         check_data_config(cfg.data, self.tokenizer, cfg.training.seq_len)
         torch.manual_seed(cfg.job.seed + self.dist.rank)
         if cfg.job.deterministic:
@@ -142,59 +120,50 @@ class Trainer:
             )
         self.model = self._build_model()
         self.optimizers = build_optimizers(self.model, cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.schedule = build_recurrence_schedule(cfg)
-        rows_per_step = cfg.training.local_batch_size * self.grad_accum
+        self.schedule = RecurrenceSchedule.from_config(cfg.recurrence, cfg.training.steps)
         self.dataloader = build_dataloader(
             cfg.data,
             self.tokenizer,
             seq_len=cfg.training.seq_len,
             local_batch_size=cfg.training.local_batch_size,
-            rows_per_step=rows_per_step,
+            rows_per_step=cfg.training.local_batch_size * self.grad_accum,
             dp_rank=self.dist.rank,
             dp_world=self.dp_world,
             seed=cfg.job.seed,
         )
+        self.validator = Validator(cfg, self.tokenizer, self.dist.rank, self.dp_world, self.dist.device)
         self.step = 0
         self.progress = TrainProgress()
         self.checkpointer = self._build_checkpointer()
-        self.test_nan_step = int(os.environ.get(TEST_NAN_STEP_ENV, 0))
         self.metrics = MetricsLogger(
             self.dump,
             enabled=self.dist.rank == 0,
             tensorboard=cfg.metrics.enable_tensorboard,
             jsonl=cfg.metrics.jsonl,
+            peak_flops=flops.peak_flops(override=cfg.metrics.peak_flops),
+            total_steps=cfg.training.steps,
         )
         self.preemption = PreemptionFlag()
-        self.peak_flops = flops.peak_flops(override=cfg.metrics.peak_flops)
 
     def _load_tokenizer(self):
-        folder = self.cfg.data.tokenizer or self.cfg.model.path
+        folder = self.tokenizer_folder()
         if folder is None:
             raise ConfigError("set data.tokenizer (a folder with tokenizer files) when training from model.preset")
         tokenizer = load_tokenizer(folder)
         check_vocab(tokenizer, self.model_args.vocab_size)
         return tokenizer
 
-    def _grad_accum_steps(self) -> int:
-        t = self.cfg.training
-        per_micro_step = t.local_batch_size * self.dp_world
-        global_batch = t.global_batch_size or per_micro_step
-        if global_batch % per_micro_step:
-            raise ConfigError(
-                f"training.global_batch_size ({global_batch}) must be a multiple of local_batch_size x "
-                f"data-parallel ranks ({t.local_batch_size} x {self.dp_world} = {per_micro_step})"
-            )
-        return global_batch // per_micro_step
-
     def _build_model(self) -> RecurrentLM:
         """Meta-device build, parallelize, materialise, then load the converted weights or init."""
         t = self.cfg.training
         with torch.device("meta"):
             model = RecurrentLM(self.model_args)
-        mp_policy = mixed_precision_policy(self.dist.device.type, t.mixed_precision_param, t.mixed_precision_reduce)
+        mp_policy = mixed_precision_policy(
+            self.dist.device.type, t.mixed_precision_param, t.mixed_precision_reduce, t.mixed_precision_mode
+        )
         parallelize_model(model, self.mesh, ac_mode=t.ac_mode, compile_blocks=t.compile, mp_policy=mp_policy)
         model.to_empty(device=self.dist.device)
-        load_initial_weights(model, self.cfg, self.model_args, self.dist.device)
+        load_initial_weights(model, self.cfg, self.model_args)
         return model.train()
 
     def _build_checkpointer(self) -> CheckpointManager:
@@ -250,59 +219,128 @@ class Trainer:
     def train(self) -> int:
         self.resume()
         self._write_run_config()
-        cfg = self.cfg
+        self._print_plan()
+        steps = self.cfg.training.steps
         with torch.random.fork_rng(devices=[]):  # iter() draws a seed: keep the restored RNG for bit-exact resume
             data_iter = iter(self.dataloader)
-        window_start, window_tokens, window_flops = time.perf_counter(), 0, 0.0
-        while self.step < cfg.training.steps:
+        while self.step < steps:
             self.step += 1
-            step_record = self.train_step(data_iter)
-            if step_record is None:  # a skipped non-finite step: nothing to log, but checkpoint/preemption apply
-                if self._step_boundary():
-                    return EXIT_PREEMPTED
-                continue
-            window_tokens += step_record.pop("_tokens")
-            window_flops += step_record.pop("_flops")
-            if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
-                elapsed = time.perf_counter() - window_start
-                self._log_step(step_record, window_tokens / elapsed, window_flops / elapsed)
-                window_start, window_tokens, window_flops = time.perf_counter(), 0, 0.0
-            self._maybe_validate()
+            record = self.train_step(data_iter)
+            if record is not None and (self.step % self.cfg.metrics.log_freq == 0 or self.step == steps):
+                self.metrics.log_window(record, self.dist.device)
+            if self.validator.due(self.step, steps):
+                self._validate()
             if self._step_boundary():
                 return EXIT_PREEMPTED
         self.checkpointer.wait()
-        if cfg.checkpoint.export_final:
-            export_model(self.model, self.model_args, self.dump / "final_model", self.cfg, self.tokenizer_folder())
+        if self.cfg.checkpoint.export_final:
+            export_model(self.model, self.model_args, self.dump / "final_model", self.tokenizer_folder())
         self.metrics.close()
         return 0
 
-    def _maybe_validate(self) -> None:
-        """Held-out loss at each configured r, on a fresh validation loader, summed over ranks."""
-        v = self.cfg.validation
-        if not v.enable or (self.step % v.interval and self.step != self.cfg.training.steps):
-            return
+    def train_step(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> dict | None:
+        """One optimizer step over grad_accum micro-steps, each with its own sampled (n, k).
+
+        Returns the step's record, or None when a non-finite step was skipped. The micro-steps issue
+        no collective and no host sync; the step's scalars travel in one all-reduce afterwards.
+        """
+        loss_sum = torch.zeros((), device=self.dist.device)
+        labels = torch.zeros((), device=self.dist.device)
+        tokens, step_flops = 0, 0.0
+        for micro_step in range(self.grad_accum):
+            batch = next(data_iter)
+            n, k = self.schedule.sample(self.step, micro_step)
+            micro_loss, micro_labels = self.forward_backward(batch, n, k)
+            loss_sum += micro_loss
+            labels += micro_labels
+            tokens += batch["input_ids"].numel()
+            per_token = flops.training_flops_per_token(self.model_args, (n, k), batch["input_ids"].shape[1])
+            step_flops += per_token.total * batch["input_ids"].numel()
+        result = self.optimizer_step(loss_sum, labels)
+        if result is None:
+            return None
+        loss, grad_norm, lrs = result
+        self.progress.step = self.step
+        self.progress.tokens_seen += tokens * self.dp_world
+        self.metrics.window.add(tokens, step_flops, loss)
+        return {
+            "step": self.step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": next(iter(lrs.values())),
+            **{f"lr_{name}": lr for name, lr in lrs.items()},
+            "mean_recurrence": self.schedule.mean(self.step),
+            "backprop_depth": self.schedule.backprop_depth(self.step),
+            "n": n,
+            "k": k,
+            "tokens_seen": self.progress.tokens_seen,
+        }
+
+    def forward_backward(self, batch: dict[str, torch.Tensor], n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward with n no-grad and k grad iterations, backward of the summed token loss.
+
+        Returns (loss sum, label count) as device scalars. Gradients are of the sum; `optimizer_step`
+        rescales them once the global label count is known.
+        """
         t = self.cfg.training
-        with torch.random.fork_rng(devices=[]):  # the loader's seed draw must not shift the training RNG
-            loader = build_dataloader(
-                self.cfg.data, self.tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-                rows_per_step=t.local_batch_size, dp_rank=self.dist.rank, dp_world=self.dp_world,
-                seed=self.cfg.job.seed, split="validation",
-            )
-            batches = itertools.islice(iter(loader), v.steps)
-            sums = validation_loss_sums(self.model, batches, v.recurrences, self.dist.device)
-        totals = torch.tensor([[total, count] for total, count in sums.values()], dtype=torch.float64)
+        input_ids = batch["input_ids"].to(self.dist.device, non_blocking=True)
+        labels = batch["labels"].to(self.dist.device, non_blocking=True)
+        with forward_autocast(self.dist.device.type, t.mixed_precision_param, t.mixed_precision_mode):
+            loss_sum = self.model(input_ids, (n, k), labels=labels, loss_chunk_tokens=t.loss_chunk_tokens)
+        if self.step == t.inject_nan_at_step:
+            loss_sum = loss_sum * float("nan")
+        loss_sum.backward()
+        return loss_sum.detach(), count_labels(labels)
+
+    def optimizer_step(
+        self, loss_sum: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[float, float, dict[str, float]] | None:
+        """Reduce the step's scalars, turn summed gradients into the global mean, clip, check, step.
+
+        One all-reduce carries this rank's loss sum, label count, squared gradient norm and the
+        preemption flag. FSDP averaged the gradient sums over ranks, so dp / labels makes them the
+        exact mean over every label of the global batch. Returns (loss, grad norm, lrs), or None
+        when the step was skipped as non-finite.
+        """
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        local = torch.stack([
+            loss_sum.float(),
+            labels.float(),
+            grad_square_sum(params) / self.cfg.parallel.dp_replicate,
+            torch.full((), float(self.preemption.requested), device=self.dist.device),  # a fill, not a copy: no sync
+        ])
         if dist.is_initialized():
-            totals = totals.to(self.dist.device)
-            dist.all_reduce(totals)
-        losses = mean_losses({r: (float(row[0]), int(row[1])) for r, row in zip(sums, totals.tolist())})
-        record = {"step": self.step, **{f"validation.loss_r{r}": loss for r, loss in losses.items()}}
-        console = f"validation step {self.step:>6}  " + "  ".join(f"r={r}: {loss:.4f}" for r, loss in losses.items())
-        self.metrics.log(record, console)
+            dist.all_reduce(local)
+        total_loss, total_labels, square_sum, preempted = local.tolist()
+        self.preemption.agreed = preempted > 0
+        grad_scale = self.dp_world / total_labels
+        loss, grad_norm = total_loss / total_labels, math.sqrt(square_sum) * grad_scale
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.optimizers.zero_grad()
+            self._handle_nonfinite(loss, grad_norm)
+            return None
+        scale_grads_(params, grad_scale * clip_coefficient(grad_norm, self.cfg.training.max_norm))
+        lrs = self.optimizers.current_lrs()
+        self.optimizers.step()
+        self.optimizers.step_schedulers()
+        self.optimizers.zero_grad()
+        return loss, grad_norm, lrs
+
+    def _validate(self) -> None:
+        self.metrics.log_validation(self.step, self.validator.run(self.model))
+
+    def _print_plan(self) -> None:
+        """The start-up banner: the plan `--check` prints, for this world size and device."""
+        if self.dist.rank == 0:
+            lines = preflight.plan_lines(self.cfg, self.model_args, self.dist.world_size,
+                                         device_type=self.dist.device.type)
+            for line in lines:
+                self._log(f"plan: {line}")
 
     def _step_boundary(self) -> bool:
         """Checkpoint when due or when a preemption signal arrived on any rank; True: exit with EXIT_PREEMPTED."""
         c, steps = self.cfg.checkpoint, self.cfg.training.steps
-        preempted = self.preemption.agreed(self.dist.device)
+        preempted = self.preemption.agreed
         if c.enable and (preempted or self.checkpointer.should_save(self.step, steps)):
             self.checkpointer.save(self.step)
         if not preempted:
@@ -311,59 +349,6 @@ class Trainer:
         saved = f"checkpoint {self.checkpointer.step_folder(self.step)} written" if c.enable else "checkpoints disabled"
         self._log(f"preemption signal at step {self.step}: {saved}; exiting with {EXIT_PREEMPTED}")
         return True
-
-    def train_step(self, data_iter) -> dict | None:
-        """One optimizer step over grad_accum micro-steps, each with its own sampled (n, k)."""
-        cfg = self.cfg
-        batches = [next(data_iter) for _ in range(self.grad_accum)]
-        global_tokens = self._global_valid_tokens(batches)
-        loss_sum = torch.zeros((), device=self.dist.device)
-        step_flops, depths = 0.0, []
-        for micro_step, batch in enumerate(batches):
-            n, k = self.schedule.sample(self.step, micro_step)
-            depths.append((n, k))
-            input_ids = batch["input_ids"].to(self.dist.device)
-            labels = batch["labels"].to(self.dist.device)
-            logits = self.model(input_ids, (n, k))
-            token_loss_sum = torch.nn.functional.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
-            )
-            if self.step == self.test_nan_step:
-                token_loss_sum = token_loss_sum * float("nan")
-            # FSDP averages gradients over ranks, so scale the sum by the data-parallel size to get
-            # the exact mean over every valid token of the global batch.
-            (token_loss_sum * self.dp_world / global_tokens).backward()
-            loss_sum += token_loss_sum.detach()
-            per_token = flops.training_flops_per_token(self.model_args, (n, k), input_ids.shape[1])
-            step_flops += per_token.total * input_ids.numel()
-        grad_norm = clip_grad_norm(self.model.parameters(), cfg.training.max_norm)
-        loss = self._global_mean(loss_sum, global_tokens)
-        if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):
-            self.optimizers.zero_grad()
-            self._handle_nonfinite(loss, float(grad_norm))
-            return None
-        lrs = self.optimizers.current_lrs()
-        self.optimizers.step()
-        self.optimizers.step_schedulers()
-        self.optimizers.zero_grad()
-        tokens = sum(int(b["input_ids"].numel()) for b in batches)
-        self.progress.step = self.step
-        self.progress.tokens_seen += tokens * self.dp_world
-        n, k = depths[-1]
-        return {
-            "step": self.step,
-            "loss": loss,
-            "grad_norm": float(grad_norm),
-            "lr": next(iter(lrs.values())),
-            **{f"lr_{name}": lr for name, lr in lrs.items()},
-            "mean_recurrence": self.schedule.mean(self.step),
-            "backprop_depth": self.schedule.backprop_depth(self.step),
-            "n": n,
-            "k": k,
-            "tokens_seen": self.progress.tokens_seen,
-            "_tokens": tokens,
-            "_flops": step_flops,
-        }
 
     def _handle_nonfinite(self, loss: float, grad_norm: float) -> None:
         message = f"non-finite loss {loss} or grad norm {grad_norm} at step {self.step}"
@@ -381,33 +366,6 @@ class Trainer:
         self._log(f"{message}; step skipped ({self.progress.skipped_steps} so far)")
         self.progress.step = self.step
 
-    def _global_valid_tokens(self, batches: list[dict]) -> int:
-        count = torch.tensor(
-            [sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)], device=self.dist.device
-        )
-        if dist.is_initialized():
-            dist.all_reduce(count)
-        return int(count.item())
-
-    def _global_mean(self, loss_sum: torch.Tensor, global_tokens: int) -> float:
-        if dist.is_initialized():
-            loss_sum = loss_sum.clone()
-            dist.all_reduce(loss_sum)
-        return float(loss_sum) / global_tokens
-
-    def _log_step(self, record: dict, tokens_per_sec: float, flops_per_sec: float) -> None:
-        record["tokens_per_sec"] = tokens_per_sec
-        record["flops_per_sec"] = flops_per_sec
-        record["mfu"] = flops.mfu(flops_per_sec, self.peak_flops)
-        record["max_memory"] = max_memory_gib(self.dist.device)
-        mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
-        console = (
-            f"step {record['step']:>6}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
-            f"lr {record['lr']:.2e}  r {record['mean_recurrence']} (n={record['n']} k={record['k']})  "
-            f"tok/s {tokens_per_sec:,.0f}  mfu {mfu}  mem {record['max_memory']:.2f}GiB"
-        )
-        self.metrics.log(record, console)
-
     def _log(self, message: str) -> None:
         if self.dist.rank == 0:
             print(f"[titan_recur] {message}", flush=True)
@@ -422,7 +380,7 @@ class Trainer:
                 print(text, end="", flush=True)
 
     def tokenizer_folder(self) -> str | None:
-        return self.cfg.data.tokenizer or self.cfg.model.path
+        return preflight.tokenizer_folder(self.cfg)
 
     def close(self) -> None:
         self.metrics.close()
@@ -446,24 +404,13 @@ class TrainProgress:
         self.skipped_steps = int(state["skipped_steps"])
 
 
-def build_recurrence_schedule(cfg: JobConfig) -> RecurrenceSchedule:
-    r, steps = cfg.recurrence, cfg.training.steps
-    mean = Curriculum(r.curriculum, r.mean_recurrence, steps, r.warmup_fraction, start=r.start)
-    depth: int | Curriculum = r.backprop_depth
-    if r.backprop_curriculum:
-        depth = Curriculum("linear", r.backprop_depth, steps, r.backprop_warmup_fraction, start=r.backprop_start)
-    sampler = RecurrenceSampler(sigma=r.sigma, seed=r.seed, mean_offset=r.mean_offset)
-    return RecurrenceSchedule(mean, depth, sampler)
-
-
-def load_initial_weights(model: RecurrentLM, cfg: JobConfig, args: ModelArgs, device: torch.device) -> None:
+def load_initial_weights(model: RecurrentLM, cfg: JobConfig, args: ModelArgs) -> None:
     """Rank 0 reads (or randomly initialises) the full weights and broadcasts them into the shards.
 
     Building the full state on one rank makes the start identical for every world size.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    model.reset_rope_buffer()
     is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
     full_state: dict[str, torch.Tensor] = {}
     if is_rank0:
@@ -473,45 +420,32 @@ def load_initial_weights(model: RecurrentLM, cfg: JobConfig, args: ModelArgs, de
 
 
 def initial_full_state(cfg: JobConfig, args: ModelArgs) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    from titan_recur.models.io import load_state_dict_into
-
     source = RecurrentLM(args)
     if cfg.model.init == "random" or not cfg.model.path:
         torch.manual_seed(cfg.job.seed)
         source.init_weights()
     else:
-        weights = Path(cfg.model.path) / WEIGHTS_NAME
-        if not weights.is_file():
-            raise ConfigError(f"{weights}: no such file")
-        load_state_dict_into(source, load_file(str(weights)), str(weights))
+        load_state_dict_into(source, read_weights(cfg.model.path), cfg.model.path)
     return source.state_dict()
 
 
-def export_model(model: RecurrentLM, args: ModelArgs, folder: Path, cfg: JobConfig, tokenizer_folder: str | None) -> None:
-    """Model-only export of the trained weights as a converted-model folder (load_model reads it)."""
-    from safetensors.torch import save_file
+def export_model(model: RecurrentLM, args: ModelArgs, folder: Path, tokenizer_folder: str | None) -> None:
+    """Model-only export of the trained weights as a model folder (load_model reads it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from titan_recur.models.io import copy_tokenizer_files
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    folder.mkdir(parents=True, exist_ok=True)
-    write_model_args(args, folder)
-    if args.tie_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-    if tokenizer_folder:
-        copy_tokenizer_files(Path(tokenizer_folder), folder)
+    write_model_folder(folder, args, state, tokenizer_folder)
     print(f"[titan_recur] exported final model to {folder}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        check, argv = preflight.split_check_args(sys.argv[1:] if argv is None else argv)
         cfg = parse_args(argv)
+        if check is not None:
+            return preflight.main_check(cfg, check)
         trainer = Trainer(cfg)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,8 +1,8 @@
 """Runs single-process training jobs back to back in one interpreter (imports cost seconds per process).
 
-Usage: ckpt_worker.py JOBS.json RESULTS.json. JOBS is a list of {"argv": [...], "env": {...}, "watch": PATH,
-"truncate": PATH, "resume_only": PATH}. Each job calls titan_recur.train.main(argv) with env set for its
-duration and records its exit code (None if it raised), stdout and stderr. "truncate" first cuts that
+Usage: ckpt_worker.py JOBS.json RESULTS.json. JOBS is a list of {"argv": [...], "watch": PATH,
+"truncate": PATH, "resume_only": PATH}. Each job calls titan_recur.train.main(argv) and records its exit
+code (None if it raised), stdout and stderr. "truncate" first cuts that
 file to half its size; "watch" records {relative path: [size, mtime_ns]} of everything under PATH before
 and after the job; "resume_only" instead builds the Trainer, calls resume() and saves the step, the
 model parameters and the optimizer state sizes to that path.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -24,20 +23,6 @@ import torch
 def snapshot(folder: str) -> dict[str, list[int]]:
     root = Path(folder)
     return {str(p.relative_to(root)): [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(root.rglob("*"))}
-
-
-@contextlib.contextmanager
-def environment(env: dict[str, str]):
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key)
-            else:
-                os.environ[key] = value
 
 
 def resume_only(argv: list[str], out: str) -> int:
@@ -66,7 +51,7 @@ def run_job(job: dict) -> dict:
     if job.get("watch"):
         result["before"] = snapshot(job["watch"])
     stdout, stderr = io.StringIO(), io.StringIO()
-    with environment(job.get("env", {})), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         try:
             if job.get("resume_only"):
                 result["rc"] = resume_only(job["argv"], job["resume_only"])

@@ -12,7 +12,6 @@ import copy
 import json
 import math
 from collections import Counter
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 from titan_recur.models import ModelArgs, RecurrentLM, cross_entropy_loss
-from titan_recur.optim import Muon, build_optimizers, clip_grad_norm
+from titan_recur.config import LRScheduler, Optimizer
+from titan_recur.optim import Muon, build_optimizers, clip_coefficient, grad_square_sum, scale_grads_
 from worker_util import finish
 
 # (n_no_grad, k_grad) per step; the same on every rank.
@@ -33,7 +33,7 @@ OPTIMIZER = dict(
     name="muon", lr=1e-2, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=1e-4,
     adamw_lr=1e-3, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=1e-4,
 )
-SCHEDULER = SimpleNamespace(warmup_fraction=0.0, decay_fraction=0.0, decay_type="cosine", min_lr_factor=0.1)
+SCHEDULER = LRScheduler(warmup_fraction=0.0, decay_fraction=0.0, decay_type="cosine", min_lr_factor=0.1)
 
 
 def build_model(tie: bool) -> RecurrentLM:
@@ -77,12 +77,23 @@ def loss_of(model: RecurrentLM, ids: torch.Tensor, num_steps: tuple[int, int]) -
     return cross_entropy_loss(model(ids[:, :-1], num_steps), ids[:, 1:])
 
 
+def clip_grads(model: RecurrentLM, max_norm: float, sharded: bool) -> torch.Tensor:
+    """The trainer's clipping: squared shard norms summed over ranks (there with the step's other scalars)."""
+    params = list(model.parameters())
+    square_sum = grad_square_sum(params)
+    if sharded:
+        dist.all_reduce(square_sum)
+    norm = square_sum.sqrt()
+    scale_grads_(params, clip_coefficient(norm.item(), max_norm))
+    return norm
+
+
 def fsdp_scenario(mesh: DeviceMesh, tie: bool, fuse: bool) -> dict:
     """Three steps of the sharded model against `ref` and `synced`; grads, norms, params, collectives."""
     model = build_model(tie)
     ref, synced = copy.deepcopy(model), copy.deepcopy(model)
     shard_model(model, mesh)
-    cfg = SimpleNamespace(**OPTIMIZER, fuse_qkv=fuse)
+    cfg = Optimizer(**OPTIMIZER, fuse_qkv=fuse)
     opts = {name: build_optimizers(m, cfg, SCHEDULER, len(NUM_STEPS)) for name, m in
             (("sharded", model), ("ref", ref), ("synced", synced))}
     muon_names = list(opts["ref"].optimizers[0].param_groups[0]["param_names"])
@@ -100,8 +111,8 @@ def fsdp_scenario(mesh: DeviceMesh, tie: bool, fuse: bool) -> dict:
         loss_of(ref, ids, num_steps).backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
         grad_diff = max_diff(grads, {n: p.grad for n, p in synced.named_parameters()}, all_names)
-        norm, synced_norm = clip_grad_norm(model.parameters(), 1.0), clip_grad_norm(synced.parameters(), 1.0)
-        clip_grad_norm(ref.parameters(), 1.0)
+        norm, synced_norm = clip_grads(model, 1.0, sharded=True), clip_grads(synced, 1.0, sharded=False)
+        clip_grads(ref, 1.0, sharded=False)
         clipped_grad_diff = max_diff(grads, {n: p.grad for n, p in synced.named_parameters()}, all_names)
         for n, p in synced.named_parameters():
             p.grad = full(grads[n]).clone()
@@ -138,7 +149,7 @@ def fsdp_scenario(mesh: DeviceMesh, tie: bool, fuse: bool) -> dict:
     )
 
 
-def state_round_trip(model: RecurrentLM, muon: Muon, cfg: SimpleNamespace) -> float:
+def state_round_trip(model: RecurrentLM, muon: Muon, cfg: Optimizer) -> float:
     """Sharded Muon state out through get_optimizer_state_dict and into a fresh Muon (whose init steps)."""
     saved = get_optimizer_state_dict(model, muon)
     fresh = build_optimizers(model, cfg, SCHEDULER, len(NUM_STEPS)).optimizers[0]

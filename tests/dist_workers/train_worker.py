@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
 from collections import Counter
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from titan_recur.config import load_config
 from titan_recur.train import Trainer
@@ -89,7 +91,7 @@ def run_steps(trainer: Trainer, args: argparse.Namespace) -> dict:
     return {"losses": [r["loss"] for r in records], "grads": grads, "params": params}
 
 
-def train_fixed_steps(trainer: Trainer, args: argparse.Namespace) -> list[dict]:
+def train_fixed_steps(trainer: Trainer, args: argparse.Namespace, after_step=lambda: None) -> list[dict]:
     """The trainer's own train_step on the fixed batches; returns each step's record."""
     rank, world = trainer.dist.rank, trainer.dist.world_size
     records = []
@@ -97,6 +99,7 @@ def train_fixed_steps(trainer: Trainer, args: argparse.Namespace) -> list[dict]:
     for step, micro in enumerate(batches, start=1):
         trainer.step = step
         records.append(trainer.train_step(iter(micro)))
+        after_step()
     return records
 
 
@@ -150,34 +153,94 @@ def count_core_collectives(trainer: Trainer):
             setattr(module, name, fn)
 
 
+class HostSyncs(TorchFunctionMode):
+    """Counts tensor-to-Python reads made by titan_recur's own code (each is a host sync on an accelerator).
+
+    torch's AdamW reads its step counter with .item(), but that counter lives on the CPU (not a
+    device sync), so only calls from titan_recur frames count.
+    """
+
+    READS = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.numpy, torch.Tensor.cpu)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            caller = sys._getframe(1)
+            if "titan_recur" in caller.f_code.co_filename:
+                self.calls.append(f"{caller.f_code.co_filename}:{caller.f_lineno} {func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def count_all_reduces():
+    counts = Counter()
+    original = dist.all_reduce
+
+    def counting(*a, **kw):
+        counts["all_reduce"] += 1
+        return original(*a, **kw)
+
+    dist.all_reduce = counting
+    try:
+        yield counts
+    finally:
+        dist.all_reduce = original
+
+
 def run_collectives(trainer: Trainer, args: argparse.Namespace) -> dict:
-    """Per r: forward all-gathers, backward all-gathers and reduce-scatters for the core's group."""
+    """Per (n, k): one real optimizer step of the trainer with that depth; the core's all-gathers in
+    forward and after it, its reduce-scatters, every all-reduce of the step, and titan_recur's host syncs."""
     results = {}
     rank, world = trainer.dist.rank, trainer.dist.world_size
-    model = trainer.model
+    phase = {}
+    trainer.model.register_forward_hook(lambda module, inputs, out: phase.update(forward=dict(core_counts)))
     for r in args.recurrences:
-        micro = next(fixed_batches(1, 1, args.global_batch, args.seq_len, 97, rank, world))[0]
-        with count_core_collectives(trainer) as counts:
-            logits = model(micro["input_ids"], (r - 1, 1))
-            forward = dict(counts)
-            logits.float().logsumexp(-1).mean().backward()
-        backward = {key: counts[key] - forward.get(key, 0) for key in counts}
-        model.zero_grad(set_to_none=True)
-        results[str(r)] = {"forward": forward, "backward": backward}
+        for k in sorted({1, min(2, r)}):
+            n = r - k
+            trainer.schedule.sample = lambda step, micro_step, n=n, k=k: (n, k)
+            micro = next(fixed_batches(1, 1, args.global_batch, args.seq_len, 97, rank, world))
+            syncs = HostSyncs()
+            with count_core_collectives(trainer) as core_counts, count_all_reduces() as reduces, syncs:
+                trainer.step += 1
+                assert trainer.train_step(iter(micro)) is not None
+            forward = phase["forward"]
+            after = {key: core_counts[key] - forward.get(key, 0) for key in core_counts}
+            results[f"{n},{k}"] = {"forward": forward, "after_forward": after, "all_reduce": reduces["all_reduce"],
+                                   "host_syncs": syncs.calls}
     return results
 
 
+class RecompileLog(logging.Handler):
+    """Dynamo's recompile log (torch._logging recompiles=True): one record per recompilation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += record.getMessage().startswith("Recompiling function")
+
+
 def run_compile(trainer: Trainer, args: argparse.Namespace) -> dict:
+    """Per step: the depth, the loss and dynamo's recompiles so far (compiles after the first graph of a frame)."""
     from torch._dynamo.utils import counters
 
     counters.clear()
-    records = train_fixed_steps(trainer, args)
+    torch._logging.set_logs(recompiles=True)
+    log = RecompileLog()
+    logging.getLogger("torch._dynamo").addHandler(log)
+    records, recompiles = [], []
+    for record in train_fixed_steps(trainer, args, after_step=lambda: recompiles.append(log.count)):
+        records.append(record)
     return {
         "losses": [r["loss"] for r in records],
         "depths": [(r["n"], r["k"]) for r in records],
         "unique_graphs": counters["stats"]["unique_graphs"],
-        "frames": dict(counters["frames"]),
-        "recompiles": sum(v for k, v in counters["recompiles"].items()) if "recompiles" in counters else 0,
+        "recompiles_per_step": recompiles,
     }
 
 

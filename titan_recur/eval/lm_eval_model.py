@@ -6,7 +6,7 @@ Registered on import (lm_eval 0.4.13 has no plugin discovery), so use it through
 
 Batches are exact: loglikelihood rows are right-padded (causal attention never sees the padding),
 generation rows left-padded with an attention mask and mask-derived positions, and the recurrent
-state starts deterministic (see ``eval_state_init``), so batch size changes nothing but speed.
+state starts deterministic (see ``ModelArgs.eval_state_init``), so batch size changes nothing but speed.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
 from titan_recur.eval.loading import default_tokenizer_folder, load_checkpoint, resolve_device
-from titan_recur.eval.loss import check_recurrences, eval_state_init
+from titan_recur.eval.loss import check_recurrences
 from titan_recur.models.args import STATE_INITS
 from titan_recur.models.generate import greedy_generate
 from titan_recur.tokenizer import check_vocab, load_tokenizer
@@ -32,7 +32,7 @@ from titan_recur.tokenizer import check_vocab, load_tokenizer
 class TitanRecurLM(TemplateLM):
     """model_args: pretrained=PATH (model folder or DCP step + model_config=FOLDER), num_steps=r (default: the
     model's mean_recurrence), batch_size, device, dtype (float32|bfloat16), max_length, max_gen_toks,
-    state_init (default: deterministic, see eval_state_init), tokenizer=FOLDER (default: the model folder).
+    state_init (default: deterministic, see ModelArgs.eval_state_init), tokenizer=FOLDER (default: the model folder).
 
     ``num_steps`` may be changed between evaluations of the same instance (the harness sweep does).
     """
@@ -63,7 +63,7 @@ class TitanRecurLM(TemplateLM):
         self.tokenizer = load_tokenizer(tokenizer or default_tokenizer_folder(pretrained, model_config))
         check_vocab(self.tokenizer, self.model.args.vocab_size)
         self.num_steps = self.model.args.mean_recurrence if num_steps is None else int(num_steps)
-        self.state_init = state_init or eval_state_init(self.model.args)
+        self.state_init = state_init or self.model.args.eval_state_init
         self.max_length = int(max_length or self.model.args.max_seq_len)
         self.max_gen_toks = int(max_gen_toks)
 
@@ -81,8 +81,9 @@ class TitanRecurLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        """Scored text is conditioned on BOS where the model's tokenizer adds one (as in training), else EOS."""
-        return self.tokenizer.bos_id if self.tokenizer.add_bos else self.tokenizer.eos_id
+        """What rolling windows and empty contexts are conditioned on: EOS, which precedes every document
+        in a packed training row (the document itself starts with BOS where the tokenizer adds one)."""
+        return self.tokenizer.eos_id
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
         """Ids of ``string``, starting with BOS where the tokenizer adds one, unless add_special_tokens=False."""
@@ -123,10 +124,11 @@ class TitanRecurLM(TemplateLM):
         return ordered.get_original(results)
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
-        """Log-likelihood of whole texts, in max_length windows that each predict new tokens only, after BOS/EOS."""
+        """Log-likelihood of whole texts as packed in training ([BOS] text where the tokenizer adds BOS), after EOS,
+        in max_length windows that each predict new tokens only."""
         windows, owners = [], []
         for i, request in enumerate(requests):
-            tokens = self.tok_encode(request.args[0], add_special_tokens=False)
+            tokens = self.tok_encode(request.args[0])
             for context, continuation in map(
                 utils.make_disjoint_window,
                 utils.get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, context_len=1),

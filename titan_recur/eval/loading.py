@@ -7,10 +7,8 @@ from pathlib import Path
 import torch
 
 from titan_recur.checkpoint import ModelState, load_from
-from titan_recur.models.io import WEIGHTS_NAME, load_model, read_model_args
+from titan_recur.models.io import DTYPES, WEIGHTS_NAME, load_model, read_model_args
 from titan_recur.models.model import RecurrentLM
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -55,7 +53,7 @@ def load_checkpoint(
             f"{path} is a DCP step folder: pass --model-config with the run's model folder "
             "(config.json) for its architecture"
         )
-    model = RecurrentLM(read_model_args(model_config))  # not meta + to_empty: that unties tied embeddings
+    model = RecurrentLM(read_model_args(model_config))
     load_from(path, {"model": ModelState(model)})
     return model.to(device=device, dtype=DTYPES[dtype]).eval()
 

@@ -17,28 +17,35 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from titan_recur.eval.loading import DTYPES
-from titan_recur.eval.loss import eval_state_init
 from titan_recur.models.args import STATE_INITS, ModelArgs
-from titan_recur.models.io import copy_tokenizer_files, savable_state_dict
-from titan_recur.models.model import RecurrentLM
-from titan_recur.surgery import LayerPlan, write_atomically, source_tensor_names
+from titan_recur.models.io import (
+    DTYPES,
+    WEIGHTS_NAME,
+    check_output_folder,
+    copy_tokenizer_files,
+    savable_state_dict,
+    save_weights,
+    write_atomically,
+)
+from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, RecurrentLM
+from titan_recur.recurrence import DEFAULT_SEED, DEFAULT_SIGMA
+from titan_recur.surgery import LayerPlan, source_tensor_names
 
 HF_DIR = Path(__file__).parent
 CONFIG_FILE = "configuration_titan_recur.py"
 MODELING_FILE = "modeling_titan_recur.py"
-WEIGHTS_NAME = "model.safetensors"
 # titan_recur modules inlined into the shipped modeling file, dependencies first; then the HF wrapper.
 INLINED_MODULES = (
     "titan_recur.models.args",
     "titan_recur.models.rope",
     "titan_recur.models.blocks",
+    "titan_recur.models.loss",
+    "titan_recur.recurrence",
     "titan_recur.models.model",
     "titan_recur.hf.modeling_titan_recur",
 )
-# Inference defaults, stored at the top level of the HF config (see configuration_titan_recur.py).
+# ModelArgs fields that are call defaults of an export, stored at the top level of the HF config.
 CALL_DEFAULTS = ("mean_recurrence", "state_init")
 # Weight names of a recurrent export: RecurrentLM's, under TitanRecurForCausalLM.model.
 RECURRENT_PREFIX = "model."
@@ -61,7 +68,8 @@ def standalone_modeling_source() -> str:
     """The shipped modeling file: INLINED_MODULES concatenated, their titan_recur imports removed.
 
     Fails if a module imports a titan_recur name that no earlier inlined module defines, so a new
-    dependency of the model code cannot produce a broken export.
+    dependency of the model code cannot produce a broken export. ``if TYPE_CHECKING:`` blocks that
+    only import titan_recur names (for annotations, which the header keeps unevaluated) are dropped.
     """
     defined: set[str] = set()
     parts = [_HEADER.format(modules=", ".join(INLINED_MODULES))]
@@ -70,7 +78,13 @@ def standalone_modeling_source() -> str:
         source = path.read_text()
         tree = ast.parse(source)
         drop: set[int] = set()
+        typing_only = [node for node in tree.body if _is_typing_only_titan_recur_import(node)]
+        skipped = {id(child) for node in typing_only for child in ast.walk(node)}
+        for node in typing_only:
+            drop.update(range(node.lineno, node.end_lineno + 1))
         for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
             if isinstance(node, ast.ImportFrom) and node.module == "__future__":
                 drop.update(range(node.lineno, node.end_lineno + 1))
             elif isinstance(node, (ast.Import, ast.ImportFrom)) and _imports_titan_recur(node):
@@ -91,6 +105,17 @@ def standalone_modeling_source() -> str:
     return "\n\n".join(parts)
 
 
+def _is_typing_only_titan_recur_import(node: ast.stmt) -> bool:
+    """``if TYPE_CHECKING:`` holding nothing but titan_recur imports."""
+    return (
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Name)
+        and node.test.id == "TYPE_CHECKING"
+        and not node.orelse
+        and all(isinstance(n, (ast.Import, ast.ImportFrom)) and _imports_titan_recur(n) for n in node.body)
+    )
+
+
 def _imports_titan_recur(node: ast.Import | ast.ImportFrom) -> bool:
     modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
     return any(m == "titan_recur" or m.startswith("titan_recur.") for m in modules)
@@ -108,7 +133,10 @@ def _top_level_names(tree: ast.Module) -> set[str]:
 
 
 def recurrent_hf_config(args: ModelArgs, mean_recurrence: int, state_init: str, dtype: str) -> dict[str, Any]:
-    """config.json of a recurrent export: the architecture, the call defaults, HF mirrors and auto_map."""
+    """config.json of a recurrent export: the architecture, the call defaults, HF mirrors and auto_map.
+
+    The training sampler's settings are the trainer's defaults (``[recurrence]``); see configuration_titan_recur.py.
+    """
     architecture = {k: v for k, v in args.to_dict().items() if k not in CALL_DEFAULTS}
     return {
         "architectures": ["TitanRecurForCausalLM"],
@@ -119,7 +147,12 @@ def recurrent_hf_config(args: ModelArgs, mean_recurrence: int, state_init: str, 
         },
         "titan_recur": architecture,
         "mean_recurrence": mean_recurrence,
+        "num_steps": None,
         "state_init": state_init,
+        "backprop_depth": DEFAULT_BACKPROP_DEPTH,
+        "recurrence_sigma": DEFAULT_SIGMA,
+        "recurrence_seed": DEFAULT_SEED,
+        "recurrence_mean_offset": True,
         "vocab_size": args.vocab_size,
         "hidden_size": args.dim,
         "num_attention_heads": args.n_heads,
@@ -188,7 +221,7 @@ def export_hf(
     """Write the HF folder of ``model``; returns it. Nothing is left behind on failure.
 
     mean_recurrence: default iterations of the export (None: the model's); state_init: default
-    state init (None: the deterministic eval init, see titan_recur.eval.eval_state_init).
+    state init (None: the deterministic eval init, ``ModelArgs.eval_state_init``).
     """
     output = Path(output)
     _check_output(output, force)
@@ -201,7 +234,7 @@ def export_hf(
         r = args.mean_recurrence if mean_recurrence is None else mean_recurrence
         if r < 1:
             raise ExportError(f"mean recurrence must be >= 1, got {r}")
-        config = recurrent_hf_config(args, r, state_init or eval_state_init(args), dtype)
+        config = recurrent_hf_config(args, r, state_init or args.eval_state_init, dtype)
         state = {RECURRENT_PREFIX + k: v for k, v in savable_state_dict(model).items()}
     elif mean_recurrence is not None or state_init is not None:
         raise ExportError("a static model has no recurrence: mean_recurrence and state_init do not apply")
@@ -212,8 +245,7 @@ def export_hf(
 
     def write(folder: Path) -> None:
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-        (folder / WEIGHTS_NAME).chmod(0o644)
+        save_weights(state, folder)
         if args.is_recurrent:
             shutil.copy(HF_DIR / CONFIG_FILE, folder / CONFIG_FILE)
             (folder / MODELING_FILE).write_text(standalone_modeling_source())
@@ -226,13 +258,12 @@ def export_hf(
 
 def _check_output(output: Path, force: bool) -> None:
     """Refuse a non-empty output folder; --force replaces only a previous HF export."""
-    if output.exists() and not output.is_dir():
-        raise ExportError(f"{output} exists and is not a folder")
-    if not output.is_dir() or not any(output.iterdir()):
-        return
-    if not force:
-        raise ExportError(f"{output} exists and is not empty; pass --force to overwrite it")
-    config = output / "config.json"
-    exported = config.is_file() and (output / WEIGHTS_NAME).is_file()
+    check_output_folder(output, force, _not_an_export, ExportError)
+
+
+def _not_an_export(folder: Path) -> str | None:
+    config = folder / "config.json"
+    exported = config.is_file() and (folder / WEIGHTS_NAME).is_file()
     if not (exported and "architectures" in json.loads(config.read_text())):
-        raise ExportError(f"refusing to overwrite {output} with --force: it is not an exported model folder")
+        return "it is not an exported model folder"
+    return None

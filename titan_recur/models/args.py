@@ -1,4 +1,4 @@
-"""Model shape and behaviour of a depth-recurrent LM (SPEC §1), plus source-model presets."""
+"""Model shape and behaviour of a depth-recurrent LM (docs/method.md §1), plus source-model presets."""
 
 from __future__ import annotations
 
@@ -66,6 +66,13 @@ class ModelArgs:
         return self.n_core > 0
 
     @property
+    def eval_state_init(self) -> str:
+        """The state init at evaluation: deterministic, so a row's result depends neither on the RNG
+        nor on its batch. 'embed' models keep theirs; the others start from zeros, the mean of the
+        training draw (std sqrt(2/(5d)), ~0.01 at d = 2048)."""
+        return "embed" if self.state_init == "embed" else "zero"
+
+    @property
     def effective_state_std(self) -> float:
         return self.state_std if self.state_std is not None else math.sqrt(2.0 / (5.0 * self.dim))
 
@@ -94,12 +101,18 @@ class SourcePreset:
     default_shape: tuple[int, int, int]
     args: dict[str, Any]
 
-    def model_args(self, n_prelude: int, n_core: int, n_coda: int, **overrides: Any) -> ModelArgs:
-        if n_prelude + n_core + n_coda > self.n_layers:
+    def check_shape(self, shape: tuple[int, ...] | list[int], name: str) -> None:
+        """P,R,C must be three counts >= 0 that fit in the source's layers; ``name`` is the preset's."""
+        example = ",".join(map(str, self.default_shape))
+        if len(shape) != 3 or min(shape) < 0:
             raise ValueError(
-                f"shape {n_prelude},{n_core},{n_coda} needs {n_prelude + n_core + n_coda} layers; "
-                f"{self.hf_id} has {self.n_layers}"
+                f"model.preset needs model.shape = P,R,C (three counts >= 0, e.g. {example}), got {list(shape)}"
             )
+        if sum(shape) > self.n_layers:
+            raise ValueError(f"model.shape {list(shape)} needs {sum(shape)} layers; {name} has {self.n_layers}")
+
+    def model_args(self, n_prelude: int, n_core: int, n_coda: int, **overrides: Any) -> ModelArgs:
+        self.check_shape((n_prelude, n_core, n_coda), self.hf_id)
         return ModelArgs(n_prelude=n_prelude, n_core=n_core, n_coda=n_coda, **{**self.args, **overrides})
 
 

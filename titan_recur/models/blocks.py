@@ -6,6 +6,7 @@ checkpoint is the source checkpoint with renumbered layers.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,37 +34,62 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+# Where a block sits: ("prelude" | "core" | "coda", index in its stack). A KV cache keys its slots by it
+# (and, for core blocks, by the iteration), so blocks never see cache layout.
+BlockSlot = tuple[str, int]
+
+
 @dataclass
 class AttentionContext:
-    """Per-forward inputs shared by every block and every iteration: RoPE tables, mask, KV cache."""
+    """Per-forward inputs shared by every block and every iteration: RoPE tables, mask, KV cache.
+
+    ``iteration`` is the core iteration being run; only a cache reads it (training passes no cache,
+    so the iteration never reaches a compiled graph).
+    """
 
     cos: torch.Tensor
     sin: torch.Tensor
     # Boolean (B, 1, T, S) mask, True = attend; None means plain causal attention without a cache.
     mask: torch.Tensor | None = None
     cache: "KVCache | None" = None
+    iteration: int = 0
+
+    def at_iteration(self, iteration: int) -> "AttentionContext":
+        """The context of core iteration ``iteration`` (itself when no cache needs to know it)."""
+        return self if self.cache is None else dataclasses.replace(self, iteration=iteration)
 
 
 class KVCache:
     """Keys/values per attention slot; the recurrent core has one slot per (core block, iteration)."""
 
     def __init__(self) -> None:
-        self.slots: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.slots: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.length = 0
 
-    def update(self, slot: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if slot in self.slots:
-            past_k, past_v = self.slots[slot]
+    def update(
+        self, slot: BlockSlot, iteration: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (*slot, iteration if slot[0] == "core" else 0)
+        if key in self.slots:
+            past_k, past_v = self.slots[key]
             k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        self.slots[slot] = (k, v)
+        self.slots[key] = (k, v)
         return k, v
+
+    def reorder(self, batch_index: torch.Tensor) -> None:
+        """Keep rows ``batch_index`` of every slot, in that order (beam search: each beam continues its parent's cache)."""
+        self.slots = {
+            key: (k.index_select(0, batch_index.to(k.device)), v.index_select(0, batch_index.to(v.device)))
+            for key, (k, v) in self.slots.items()
+        }
 
 
 class Attention(nn.Module):
     """GQA causal self-attention with RoPE; OLMo-2 adds RMSNorm over the full projected q and k."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, slot: BlockSlot) -> None:
         super().__init__()
+        self.slot = slot
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
         self.q_proj = nn.Linear(args.dim, q_dim, bias=args.attention_bias)
@@ -75,7 +101,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q_dim, args.norm_eps)
             self.k_norm = RMSNorm(kv_dim, args.norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext, slot: str) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm:
@@ -85,7 +111,7 @@ class Attention(nn.Module):
         v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, k, ctx.cos, ctx.sin)
         if ctx.cache is not None:
-            k, v = ctx.cache.update(slot, k, v)
+            k, v = ctx.cache.update(self.slot, ctx.iteration, k, v)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=ctx.mask, is_causal=ctx.mask is None, enable_gqa=self.n_kv_heads != self.n_heads
         )
@@ -108,10 +134,10 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """One source-model layer; `block_type` picks Llama pre-norm or OLMo-2 reordered post-norm."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, slot: BlockSlot) -> None:
         super().__init__()
         self.pre_norm = args.block_type == "llama"
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, slot)
         self.mlp = FeedForward(args)
         if self.pre_norm:
             self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
@@ -120,11 +146,11 @@ class TransformerBlock(nn.Module):
             self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
             self.post_feedforward_layernorm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext, slot: str = "") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         if self.pre_norm:
-            h = x + self.self_attn(self.input_layernorm(x), ctx, slot)
+            h = x + self.self_attn(self.input_layernorm(x), ctx)
             return h + self.mlp(self.post_attention_layernorm(h))
-        h = x + self.post_attention_layernorm(self.self_attn(x, ctx, slot))
+        h = x + self.post_attention_layernorm(self.self_attn(x, ctx))
         return h + self.post_feedforward_layernorm(self.mlp(h))
 
     def init_weights(self, std: float) -> None:

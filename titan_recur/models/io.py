@@ -1,20 +1,31 @@
-"""The converted-model folder: config.json (ModelArgs) + model.safetensors + tokenizer files."""
+"""The model folder: config.json (ModelArgs) + model.safetensors + tokenizer files.
+
+One home for reading and writing model folders (conversions, a run's final model, HF exports) and
+for checking where one may be written.
+"""
 
 from __future__ import annotations
 
 import json
 import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from titan_recur.models.args import ModelArgs
+from titan_recur.models.args import PRESETS, ModelArgs
 from titan_recur.models.model import RecurrentLM
+
+if TYPE_CHECKING:  # the config schema; models never import it at run time
+    from titan_recur.config import Model
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_KEY = "titan_recur"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -29,8 +40,11 @@ def read_model_args(folder: str | Path) -> ModelArgs:
     config_path = Path(folder) / CONFIG_NAME
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path}: no such file (is {folder} a titan_recur model folder?)")
-    config = json.loads(config_path.read_text())
-    if CONFIG_KEY not in config:
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict) or CONFIG_KEY not in config:
         raise ValueError(f"{config_path} has no '{CONFIG_KEY}' section: not a converted titan_recur model")
     return ModelArgs.from_dict(config[CONFIG_KEY])
 
@@ -41,25 +55,34 @@ def write_model_args(args: ModelArgs, folder: str | Path) -> None:
 
 
 def savable_state_dict(model: RecurrentLM) -> dict[str, torch.Tensor]:
-    """The state dict without the tied head (safetensors refuses shared storage)."""
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.args.tie_embeddings:
-        state.pop("lm_head.weight")
-    return state
+    """Detached, contiguous tensors (safetensors refuses views of shared storage)."""
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
 
 
-def save_model(model: RecurrentLM, folder: str | Path) -> None:
-    folder = Path(folder)
+def save_weights(state: dict[str, torch.Tensor], folder: Path) -> None:
+    """model.safetensors, readable by everyone (safetensors creates it owner-only; model folders are shared)."""
+    path = folder / WEIGHTS_NAME
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
+    path.chmod(0o644)
+
+
+def write_model_folder(
+    folder: Path, args: ModelArgs, state: dict[str, torch.Tensor], tokenizer_folder: str | Path | None = None
+) -> list[str]:
+    """config.json + model.safetensors (+ the tokenizer files found in ``tokenizer_folder``); returns those names."""
     folder.mkdir(parents=True, exist_ok=True)
-    write_model_args(model.args, folder)
-    save_file(savable_state_dict(model), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    write_model_args(args, folder)
+    save_weights(state, folder)
+    return copy_tokenizer_files(Path(tokenizer_folder), folder) if tokenizer_folder else []
+
+
+def save_model(model: RecurrentLM, folder: str | Path, tokenizer_folder: str | Path | None = None) -> None:
+    write_model_folder(Path(folder), model.args, savable_state_dict(model), tokenizer_folder)
 
 
 def load_state_dict_into(model: RecurrentLM, state: dict[str, torch.Tensor], source: str) -> None:
     """Strict load that names the first mismatching tensor."""
     expected = model.state_dict()
-    if model.args.tie_embeddings:
-        expected.pop("lm_head.weight")
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -69,17 +92,24 @@ def load_state_dict_into(model: RecurrentLM, state: dict[str, torch.Tensor], sou
             raise ValueError(
                 f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(expected[name].shape)}"
             )
-    model.load_state_dict(state, strict=False)
+    model.load_state_dict(state)
+
+
+def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a model folder's model.safetensors, with one-line errors."""
+    weights = Path(folder) / WEIGHTS_NAME
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights}: no such file")
+    try:
+        return load_file(str(weights))
+    except Exception as err:  # safetensors raises its own error types for truncated/corrupt files
+        raise ValueError(f"{weights}: unreadable safetensors file (truncated or corrupt?): {err}") from None
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> RecurrentLM:
-    """Build a RecurrentLM from a converted folder and load its weights."""
-    args = read_model_args(path)
-    weights = Path(path) / WEIGHTS_NAME
-    if not weights.is_file():
-        raise FileNotFoundError(f"{weights}: no such file")
-    model = RecurrentLM(args)
-    load_state_dict_into(model, load_file(str(weights)), str(weights))
+    """Build a RecurrentLM from a converted folder and load its weights (eval mode)."""
+    model = RecurrentLM(read_model_args(path))
+    load_state_dict_into(model, read_weights(path), str(Path(path) / WEIGHTS_NAME))
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -91,3 +121,63 @@ def copy_tokenizer_files(source: Path, destination: Path) -> list[str]:
             shutil.copy2(source / name, destination / name)
             copied.append(name)
     return copied
+
+
+def check_output_folder(
+    output: Path,
+    force: bool,
+    replaceable: Callable[[Path], str | None],
+    error: type[Exception] = ValueError,
+) -> None:
+    """Refuse to write over a file or a non-empty folder; with force, over anything ``replaceable`` rejects.
+
+    ``replaceable(folder)`` returns None when the tool may replace that folder, else why not.
+    """
+    if output.exists() and not output.is_dir():
+        raise error(f"{output} exists and is not a folder")
+    if not output.is_dir() or not any(output.iterdir()):
+        return
+    if not force:
+        raise error(f"{output} exists and is not empty; pass --force to overwrite it")
+    refusal = replaceable(output)
+    if refusal is not None:
+        raise error(f"refusing to overwrite {output} with --force: {refusal}")
+
+
+def write_atomically(output: Path, write: Callable[[Path], None]) -> None:
+    """Build the folder beside OUTPUT, then swap it in by rename; on failure remove the partial folder."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
+    try:
+        tmp.chmod(0o755)
+        write(tmp)
+        if output.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=output.parent))
+            output.replace(old / output.name)
+            tmp.replace(output)
+            shutil.rmtree(old)
+        else:
+            tmp.replace(output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def resolve_model_args(model: "Model") -> ModelArgs:
+    """The architecture a run's ``[model]`` section names: a model folder's, or a preset's at its shape.
+
+    With both, the folder must have the preset's architecture at that shape.
+    """
+    path, preset, shape = model.path, model.preset, model.shape
+    if not path:
+        return PRESETS[preset].model_args(*shape)
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"model.path {path}: no such folder (convert a model first: tools/convert_hf.py)")
+    args = read_model_args(path)
+    if preset:
+        expected = PRESETS[preset].model_args(*shape)
+        fields = ("n_prelude", "n_core", "n_coda", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "block_type")
+        diff = [f"{f} {getattr(args, f)} != {getattr(expected, f)}" for f in fields if getattr(args, f) != getattr(expected, f)]
+        if diff:
+            raise ValueError(f"model.path {path} is not model.preset {preset} with shape {list(shape)}: {', '.join(diff)}")
+    return args

@@ -1,21 +1,50 @@
-"""The depth-recurrent LM (SPEC §1): embed -> prelude -> recurrent core (looped) -> coda -> norm -> head.
+"""The depth-recurrent LM (docs/method.md): embed -> prelude -> recurrent core (looped) -> coda -> norm -> head.
 
-Single-device code. Parallelism, compile and activation checkpointing are applied from outside by
-`titan_recur.parallelize`; the only hook it uses here is `RecurrentCore.checkpoint_iterations`.
+Single-device code, free of parallelism. `titan_recur.parallelize` applies activation checkpointing,
+compile and FSDP from outside, to the units this file exposes: `RecurrentLM.blocks()` (every
+transformer block) and `RecurrentCore.iteration` (one pass through the core, the unit of the loop).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.blocks import AttentionContext, KVCache, RMSNorm, TransformerBlock
+from titan_recur.models.loss import chunked_cross_entropy_sum, cross_entropy_sum
 from titan_recur.models.rope import rope_cos_sin, rope_inverse_frequencies
 
 NumSteps = int | tuple[int, int] | None
+# Grad-carrying iterations of a train-mode forward given a depth r rather than (n, k): the last
+# min(r, 8) of its r iterations, the trainer's default backprop depth (docs/method.md §3).
+DEFAULT_BACKPROP_DEPTH = 8
+
+
+class CoreIteration(nn.Module):
+    """One pass through the core: s <- Core(A [s; e]), given the injection of ``RecurrentCore.inject``.
+
+    It owns no parameters: it applies the adapter and blocks that `RecurrentCore` owns, so their
+    names, their checkpoint keys and their FSDP unit stay the core's. It reads them from the core at
+    every call, so a module that replaces one (a LoRA around the adapter) is the one applied. It is a
+    module so that the parallelize recipe can checkpoint and compile one iteration like any block,
+    and the generation engine can run iterations one at a time.
+    """
+
+    def __init__(self, core: RecurrentCore) -> None:
+        super().__init__()
+        # A tuple is not registered as a submodule (see the class docstring).
+        self._owner = (core,)
+
+    def forward(self, state: torch.Tensor, injected: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        core = self._owner[0]
+        x = core.adapt(state, injected)
+        for block in core.blocks:
+            x = block(x, ctx)
+        return x
 
 
 class RecurrentCore(nn.Module):
@@ -29,37 +58,58 @@ class RecurrentCore(nn.Module):
         super().__init__()
         self.args = args
         self.adapter = nn.Linear(2 * args.dim, args.dim, bias=False)
-        self.blocks = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_core))
-        # Set by the parallelize recipe: recompute each grad-carrying iteration in backward.
-        self.checkpoint_iterations = False
+        self.blocks = nn.ModuleList(TransformerBlock(args, ("core", j)) for j in range(args.n_core))
+        self.iteration = CoreIteration(self)
 
     def forward(
-        self, embedded: torch.Tensor, ctx: AttentionContext, num_steps: tuple[int, int], state_init: str
+        self,
+        embedded: torch.Tensor,
+        ctx: AttentionContext,
+        num_steps: tuple[int, int],
+        state_init: str,
+        on_state: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """n iterations without grad, then k with grad (truncated backprop through depth).
 
-        A [s; e] = A_s s + A_e e, and A_e e is the same in every iteration: it is computed once, with
-        grad, so the k grad iterations still send gradients to A_e and the prelude through it.
+        on_state: if given, called with the state after each iteration.
         """
         n_no_grad, n_grad = num_steps
-        injected = F.linear(embedded, self.adapter.weight[:, self.args.dim :])
+        record = on_state or _ignore
+        injected = self.inject(embedded)
         state = self.initial_state(embedded, state_init)
         with torch.no_grad():
             for i in range(n_no_grad):
-                state = self._iterate(state, injected, ctx, i)
+                state = self.iteration(state, injected, ctx.at_iteration(i))
+                record(state)
         for i in range(n_no_grad, n_no_grad + n_grad):
-            if self.checkpoint_iterations and torch.is_grad_enabled():
-                state = checkpoint(self._iterate, state, injected, ctx, i, use_reentrant=False)
-            else:
-                state = self._iterate(state, injected, ctx, i)
+            state = self.iteration(state, injected, ctx.at_iteration(i))
+            record(state)
         return state
 
-    def _iterate(self, state: torch.Tensor, injected: torch.Tensor, ctx: AttentionContext, i: int) -> torch.Tensor:
-        x = F.linear(state, self.adapter.weight[:, : self.args.dim]) + injected
-        for j, block in enumerate(self.blocks):
-            # The slot name is only used with a KV cache; "" keeps compiled blocks free of per-call constants.
-            x = block(x, ctx, f"core.{j}.{i}" if ctx.cache is not None else "")
-        return x
+    def inject(self, embedded: torch.Tensor) -> torch.Tensor:
+        """What every iteration adds for e: A_e e, the same in every iteration, so computed once per forward.
+
+        A [s; e] = A_s s + A_e e saves one d x d product per token per iteration; the k grad
+        iterations still send gradients to A_e and the prelude through this one product. The split
+        reads the adapter's weight, which nothing that wraps or hooks the adapter module would see (a
+        LoRA, an offload or quantisation hook): then e itself is returned and every iteration applies
+        the module to [s; e] (see ``adapt``).
+        """
+        if not self.adapter_is_plain():
+            return embedded
+        return F.linear(embedded, self.adapter.weight[:, self.args.dim :])
+
+    def adapt(self, state: torch.Tensor, injected: torch.Tensor) -> torch.Tensor:
+        """A [s; e] of one iteration, given ``inject(e)``."""
+        if not self.adapter_is_plain():
+            return self.adapter(torch.cat([state, injected], dim=-1))
+        return F.linear(state, self.adapter.weight[:, : self.args.dim]) + injected
+
+    def adapter_is_plain(self) -> bool:
+        """Whether the adapter is a bare nn.Linear that no hook or wrapper sees, so its weight may be split."""
+        adapter = self.adapter
+        hooked = adapter._forward_hooks or adapter._forward_pre_hooks or "forward" in adapter.__dict__
+        return type(adapter) is nn.Linear and not hooked
 
     def initial_state(self, embedded: torch.Tensor, state_init: str) -> torch.Tensor:
         if state_init == "zero":
@@ -88,71 +138,171 @@ def init_identity_adapter(weight: torch.Tensor) -> None:
 
 
 class RecurrentLM(nn.Module):
-    """Depth-recurrent LM; with ``n_core == 0`` it is the plain static source model (baselines)."""
+    """Depth-recurrent LM; with ``n_core == 0`` it is the plain static source model (baselines).
+
+    Tied embeddings are structural: the model then has no ``lm_head`` and projects with the
+    embedding matrix, so no materialisation, cast or wrapper can untie them.
+    """
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.prelude = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_prelude))
+        self.prelude = nn.ModuleList(TransformerBlock(args, ("prelude", i)) for i in range(args.n_prelude))
         self.core = RecurrentCore(args) if args.is_recurrent else None
-        self.coda = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_coda))
+        self.coda = nn.ModuleList(TransformerBlock(args, ("coda", i)) for i in range(args.n_coda))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer(
-            "inv_freq", rope_inverse_frequencies(args.head_dim, args.rope_theta, args.rope_scaling), persistent=False
-        )
+        self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        # RoPE frequencies per device. Not a buffer: .to(dtype) would round them (bf16 is ~1 rad off per
+        # 1000 positions) and to_empty would wipe them; they are a pure function of the config.
+        self._rope_inv_freq: dict[torch.device, torch.Tensor] = {}
+        self.rope_inv_freq(torch.device("cpu"))  # an unsupported rope scaling fails here, not mid-forward
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         num_steps: NumSteps = None,
         *,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
         state_init: str | None = None,
+        labels: torch.Tensor | None = None,
+        loss_chunk_tokens: int = 0,
+        inputs_embeds: torch.Tensor | None = None,
+        on_hidden_state: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T, V).
+        """Logits (B, T, V), or with ``labels`` the summed next-token loss (fp32 scalar).
 
         num_steps: (n, k) = n iterations without grad then k with grad (training); an int r = r
-        iterations, all without grad (evaluation); None = ``args.mean_recurrence`` without grad.
+        iterations, all without grad (evaluation) unless the model is in train mode with grad enabled,
+        where the last min(r, DEFAULT_BACKPROP_DEPTH) carry grad (same values, and every part trains);
+        None = ``args.mean_recurrence``, as an int.
         attention_mask: (B, past + T) with 1 for real tokens (left padding); positions then count
         real tokens only, so a padded row computes exactly what it computes alone.
+        state_init: None = the training init in train mode, the deterministic eval init in eval mode.
+        labels: (B, T) next-token targets aligned with the positions (already shifted, IGNORE_INDEX
+        for no loss); the loss is computed here, inside the model's forward, so that a sharded head
+        is gathered for it. loss_chunk_tokens > 0 computes it chunk by chunk, never holding the full
+        logits (``chunked_cross_entropy_sum``).
+        inputs_embeds: (B, T, d) embeddings in place of ``input_ids`` (give exactly one).
+        on_hidden_state: if given, called with each hidden state (B, T, d) in order: the embeddings, each
+        prelude block's output, the state after each core iteration, each coda block's output and the
+        final norm's output (what the head reads), 2 + P + r + C calls. A callable, not a list, so that
+        hooks that move a module's arguments between devices (accelerate's) pass it through unchanged.
         """
-        ctx = self._attention_context(input_ids, attention_mask, position_ids, cache)
-        x = self.embed_tokens(input_ids)
-        for i, block in enumerate(self.prelude):
-            x = block(x, ctx, f"prelude.{i}" if cache is not None else "")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids and inputs_embeds")
+        tokens = input_ids if inputs_embeds is None else inputs_embeds
+        ctx = self.attention_context(tokens, attention_mask, position_ids, cache)
+        x = self.embed_and_prelude(input_ids, ctx, inputs_embeds, on_hidden_state)
         if self.core is not None:
-            x = self.core(x, ctx, resolve_num_steps(num_steps, self.args), state_init or self.args.state_init)
-        for i, block in enumerate(self.coda):
-            x = block(x, ctx, f"coda.{i}" if cache is not None else "")
+            depth = DEFAULT_BACKPROP_DEPTH if self.training and torch.is_grad_enabled() else None
+            steps = resolve_num_steps(num_steps, self.args, backprop_depth=depth)
+            x = self.core(x, ctx, steps, self.resolve_state_init(state_init), on_hidden_state)
+        hidden = self.coda_and_norm(x, ctx, on_hidden_state)
         if cache is not None:
-            cache.length += input_ids.shape[1]
-        return self.lm_head(self.norm(x))
+            cache.length += tokens.shape[1]
+        if labels is None:
+            return self.head(hidden)
+        if loss_chunk_tokens > 0:
+            return chunked_cross_entropy_sum(hidden, self.head_weight(), labels, loss_chunk_tokens)
+        return cross_entropy_sum(self.head(hidden), labels)
 
-    def _attention_context(
+    def embed_and_prelude(
+        self,
+        input_ids: torch.Tensor | None,
+        ctx: AttentionContext,
+        inputs_embeds: torch.Tensor | None = None,
+        on_hidden_state: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        record = on_hidden_state or _ignore
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        record(x)
+        for block in self.prelude:
+            x = block(x, ctx)
+            record(x)
+        return x
+
+    def coda_and_norm(
+        self, x: torch.Tensor, ctx: AttentionContext, on_hidden_state: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
+        """The coda blocks and the final norm: the hidden states the head reads."""
+        record = on_hidden_state or _ignore
+        for block in self.coda:
+            x = block(x, ctx)
+            record(x)
+        x = self.norm(x)
+        record(x)
+        return x
+
+    def coda_and_head(
+        self, x: torch.Tensor, ctx: AttentionContext, on_hidden_state: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
+        return self.head(self.coda_and_norm(x, ctx, on_hidden_state))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of final-norm hidden states: the LM head, or the embedding matrix when tied."""
+        return self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.embed_tokens.weight)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
+
+    def resolve_state_init(self, state_init: str | None) -> str:
+        if state_init is not None:
+            return state_init
+        return self.args.state_init if self.training else self.args.eval_state_init
+
+    def attention_context(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
         cache: KVCache | None,
     ) -> AttentionContext:
-        bsz, seqlen = input_ids.shape
+        """RoPE tables, mask and cache of a forward; reads only the (B, T) shape and device of ``input_ids``
+        (token ids, or embeddings)."""
+        bsz, seqlen = input_ids.shape[:2]
         past = cache.length if cache is not None else 0
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
             else:
                 position_ids = torch.arange(past, past + seqlen, device=input_ids.device).expand(bsz, -1)
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq, self.embed_tokens.weight.dtype)
+        cos, sin = rope_cos_sin(position_ids, self.rope_inv_freq(input_ids.device), self.embed_tokens.weight.dtype)
         mask = None
         if attention_mask is not None or past > 0:
             mask = build_attention_mask(attention_mask, bsz, seqlen, past, input_ids.device)
         return AttentionContext(cos=cos, sin=sin, mask=mask, cache=cache)
+
+    def rope_inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The fp32 RoPE inverse frequencies on ``device`` (computed once per device)."""
+        device = torch.device(device)
+        if device not in self._rope_inv_freq:
+            a = self.args
+            self._rope_inv_freq[device] = rope_inverse_frequencies(a.head_dim, a.rope_theta, a.rope_scaling).to(device)
+        return self._rope_inv_freq[device]
+
+    def parameters_by_role(self) -> dict[str, list[tuple[str, nn.Parameter]]]:
+        """Named parameters grouped by what they are, for optimizers that treat them differently.
+
+        "hidden_matrix": every 2-D weight of the blocks and the adapter (Muon's share); "embedding";
+        "head" (absent when tied: the head is the embedding); "vector": norm weights and biases.
+        """
+        roles: dict[str, list[tuple[str, nn.Parameter]]] = {"hidden_matrix": [], "embedding": [], "head": [], "vector": []}
+        for name, param in self.named_parameters():
+            if name.startswith("embed_tokens."):
+                roles["embedding"].append((name, param))
+            elif name.startswith("lm_head."):
+                roles["head"].append((name, param))
+            else:
+                roles["hidden_matrix" if param.ndim == 2 else "vector"].append((name, param))
+        return roles
+
+    def blocks(self) -> list[nn.Module]:
+        """Every transformer block, in order: prelude, core (once each), coda."""
+        core = list(self.core.blocks) if self.core is not None else []
+        return [*self.prelude, *core, *self.coda]
 
     def init_weights(self, std: float = 0.02) -> None:
         """Random init for from-scratch runs and tests (conversions load weights instead)."""
@@ -162,34 +312,25 @@ class RecurrentLM(nn.Module):
         if self.core is not None:
             self.core.init_weights(std)
         self.norm.reset_parameters()
-        if not self.args.tie_embeddings:
+        if self.lm_head is not None:
             nn.init.trunc_normal_(self.lm_head.weight, std=std, a=-3 * std, b=3 * std)
-        self.reset_rope_buffer()
-
-    def _apply(self, fn, recurse=True):
-        # Moving off the meta device (to_empty) makes new Parameters per module, which would untie the
-        # head from the embedding: tie them again. And .to(dtype) casts float buffers too; RoPE
-        # frequencies rounded to bf16 are off by ~1 rad per 1000 positions: recompute them in fp32.
-        super()._apply(fn, recurse)
-        if self.args.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.reset_rope_buffer()
-        return self
-
-    def reset_rope_buffer(self) -> None:
-        """Recompute the (non-persistent) RoPE table, e.g. after materialising from the meta device."""
-        device = self.embed_tokens.weight.device
-        self.inv_freq = rope_inverse_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling).to(
-            device
-        )
 
 
-def resolve_num_steps(num_steps: NumSteps, args: ModelArgs) -> tuple[int, int]:
-    """Normalise num_steps to (n_no_grad, k_grad); an int is an all-no-grad evaluation depth."""
+def _ignore(hidden_state: torch.Tensor) -> None:
+    """The hidden-state callback when none is given."""
+
+
+def resolve_num_steps(num_steps: NumSteps, args: ModelArgs, backprop_depth: int | None = None) -> tuple[int, int]:
+    """Normalise num_steps to (n_no_grad, k_grad).
+
+    An int r (None: ``args.mean_recurrence``) is an all-no-grad evaluation depth, or, given a
+    ``backprop_depth`` d (a training forward), the same r iterations with the last min(r, d) carrying grad.
+    """
     if num_steps is None:
         num_steps = args.mean_recurrence
     if isinstance(num_steps, int):
-        num_steps = (num_steps, 0)
+        k = min(num_steps, backprop_depth) if backprop_depth is not None else 0
+        num_steps = (num_steps - k, k)
     n, k = (int(v) for v in num_steps)
     if n < 0 or k < 0 or n + k < 1:
         raise ValueError(f"num_steps must give at least one iteration and no negative counts, got {num_steps}")
@@ -210,8 +351,3 @@ def build_attention_mask(
     if attention_mask is not None:
         mask = mask & attention_mask.bool()[:, None, None, :total]
     return mask | (key_pos == query_pos)
-
-
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean next-token loss over valid (non-ignored) labels, in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=ignore_index)

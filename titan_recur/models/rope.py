@@ -12,7 +12,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Per-pair inverse frequencies (fp32), with HF's `linear` and `llama3` scaling rules."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # On the CPU whatever the default device (the model may be built under torch.device("meta")).
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
         return inv_freq

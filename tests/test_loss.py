@@ -1,0 +1,95 @@
+"""The next-token loss: the chunked head + cross-entropy equals the plain one, in value and gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titan_recur.models import ModelArgs, RecurrentLM
+from titan_recur.models.loss import (
+    IGNORE_INDEX,
+    chunked_cross_entropy_sum,
+    count_labels,
+    cross_entropy_loss,
+    cross_entropy_sum,
+)
+
+
+def test_sum_and_mean_agree_and_ignore_labels():
+    logits = torch.randn(2, 5, 11)
+    labels = torch.randint(0, 11, (2, 5))
+    labels[0, :2] = IGNORE_INDEX
+    assert int(count_labels(labels)) == 8
+    torch.testing.assert_close(cross_entropy_sum(logits, labels) / 8, cross_entropy_loss(logits, labels))
+    by_hand = -sum(
+        torch.log_softmax(logits[b, t], -1)[labels[b, t]] for b in range(2) for t in range(5) if labels[b, t] >= 0
+    )
+    torch.testing.assert_close(cross_entropy_sum(logits, labels), by_hand, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_chunked_loss_equals_plain_in_value_and_gradient(chunk):
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 17, 32, requires_grad=True)
+    weight = torch.randn(101, 32, requires_grad=True)
+    labels = torch.randint(0, 101, (3, 17))
+    labels[1, 3:9] = IGNORE_INDEX
+    plain = cross_entropy_sum(hidden @ weight.T, labels)
+    plain_grads = torch.autograd.grad(plain, (hidden, weight))
+    chunked = chunked_cross_entropy_sum(hidden, weight, labels, chunk)
+    chunked_grads = torch.autograd.grad(chunked, (hidden, weight))
+    torch.testing.assert_close(chunked, plain, atol=1e-5, rtol=1e-6)
+    for got, want in zip(chunked_grads, plain_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def count_saved_bytes(fn) -> tuple[int, torch.Tensor]:
+    """Bytes of the distinct storages autograd saves for backward (a tensor saved twice counts once)."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(saved.values()), out
+
+
+def test_chunked_loss_saves_no_logits():
+    """What autograd keeps for backward: the plain loss holds the (tokens x vocab) logits, the chunked one none."""
+    hidden = torch.randn(512, 16, requires_grad=True)
+    weight = torch.randn(4096, 16, requires_grad=True)
+    labels = torch.randint(0, 4096, (512,))
+    logits_bytes = 512 * 4096 * 4
+    plain, _ = count_saved_bytes(lambda: cross_entropy_sum(hidden @ weight.T, labels))
+    chunked, _ = count_saved_bytes(lambda: chunked_cross_entropy_sum(hidden, weight, labels, 64))
+    assert plain >= logits_bytes
+    assert chunked < logits_bytes / 8
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_model_loss_path_equals_logits_path(tie):
+    args = ModelArgs(vocab_size=97, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, n_prelude=1, n_core=2,
+                     n_coda=1, adapter_init="random", tie_embeddings=tie)
+    torch.manual_seed(0)
+    model = RecurrentLM(args)
+    model.init_weights(0.1)
+    ids = torch.randint(0, 97, (2, 12))
+    labels = torch.randint(0, 97, (2, 12))
+
+    def loss_and_grads(**kwargs):
+        model.zero_grad()
+        loss = model(ids, (1, 2), state_init="zero", labels=labels, **kwargs)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad()
+    reference = cross_entropy_sum(model(ids, (1, 2), state_init="zero"), labels)
+    reference.backward()
+    reference_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for kwargs in ({}, {"loss_chunk_tokens": 5}):
+        loss, grads = loss_and_grads(**kwargs)
+        torch.testing.assert_close(loss, reference.detach(), atol=1e-5, rtol=1e-6)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference_grads[name], atol=1e-5, rtol=1e-5, msg=name)
