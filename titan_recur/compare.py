@@ -162,12 +162,19 @@ class EvalSettings:
 
 
 def task_manager(settings: EvalSettings):
-    """The harness task index with the project's tasks/ and the extra include paths."""
+    """The harness task index with the project's tasks/ and the extra include paths.
+
+    When every task is a YAML file, lm_eval's own index (some 15k tasks, most of a minute to build
+    on a small CPU) is left out: only the files' folders and the include paths are indexed.
+    """
     from lm_eval.tasks import TaskManager
 
     from titan_recur.eval.__main__ import PROJECT_TASKS
 
-    return TaskManager(include_path=[str(PROJECT_TASKS), *settings.include_path])
+    files_only = bool(settings.tasks) and all(Path(t).is_file() for t in settings.tasks)
+    folders = sorted({str(Path(t).resolve().parent) for t in settings.tasks}) if files_only else []
+    return TaskManager(include_path=[str(PROJECT_TASKS), *folders, *settings.include_path],
+                       include_defaults=not files_only)
 
 
 def evaluate_point(run: Run, point: EvalPoint, settings: EvalSettings, tasks_index: Any,
@@ -214,17 +221,19 @@ def _task_scores(lm: Any, r: int, settings: EvalSettings, tasks_index: Any) -> d
     return scores
 
 
-def compare(runs: Sequence[Run], settings: EvalSettings, progress: Callable[[int], Callable[[], None]] | None = None
-            ) -> dict[str, Any]:
+def compare(runs: Sequence[Run], settings: EvalSettings, progress: Callable[[int], Callable[[], None]] | None = None,
+            tasks_index: Any = None) -> dict[str, Any]:
     """Evaluate every point of every run at each r; the report compare.json holds.
 
-    ``progress(total)`` returns the callback called after each (model, r) evaluation.
+    ``progress(total)`` returns the callback called after each (model, r) evaluation; ``tasks_index``
+    is a ``task_manager(settings)`` already built (default: built here).
     """
     if not settings.tasks and settings.data is None:
         raise ValueError("nothing to measure: give a task (--task) and/or held-out data (--data)")
     total = sum(len(run.points) * len(settings.recurrences_of(run)) for run in runs)
     advance = progress(total) if progress else (lambda: None)
-    tasks_index = task_manager(settings) if settings.tasks else None
+    if settings.tasks and tasks_index is None:
+        tasks_index = task_manager(settings)
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     report_runs = []
     for run in runs:

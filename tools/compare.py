@@ -115,11 +115,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         if not settings.tasks and settings.data is None:
             raise ValueError("nothing to measure: give --task and/or --data")
+        missing = [t for t in settings.tasks if t.endswith((".yaml", ".yml")) and not Path(t).is_file()]
+        if missing:
+            raise ValueError(f"--task {','.join(missing)}: no such task file")
+        tasks_index = None
         if settings.tasks:
             from titan_recur.eval.harness import check_tasks
 
-            check_tasks(settings.tasks, task_manager(settings))
-        report = compare(runs, settings, progress=progress_bar)
+            tasks_index = task_manager(settings)
+            check_tasks(settings.tasks, tasks_index)
+        report = compare(runs, settings, progress=progress_bar, tasks_index=tasks_index)
         written = write_report(report, ns.out, ns.metric)
     except (ValueError, FileNotFoundError, ImportError, CheckpointError, ConfigError) as err:
         parser.error(str(err))
