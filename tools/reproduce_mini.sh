@@ -2,7 +2,7 @@
 # The paper's question in miniature, on CPU: at equal training compute, does retrofitting recurrence
 # beat post-training the static model, and does accuracy grow with test-time depth?
 #
-#   bash tools/reproduce_mini.sh [--quick] [--out DIR] [--source HF_FOLDER]
+#   bash tools/reproduce_mini.sh [--quick] [--steps N] [--eval-examples N] [--out DIR] [--source HF_FOLDER]
 #
 # Stages (fixed seeds, offline, 2 ranks on gloo):
 #   1. task     tools/make_depth_task.py: chains of +/- digit operations mod 10, train 1-3 operations,
@@ -16,21 +16,33 @@
 #   6. compare  tools/compare.py: exact match (harness, greedy generation) on both splits and held-out loss,
 #               at r = 1..32, for every checkpoint of both runs; tables and plots in OUT/compare
 # --quick runs every stage with a few steps and examples (the test suite's end-to-end check).
+# --steps N trains the recurrent arm N steps (default 1200; checkpoints every N/4) and --eval-examples N
+# scores N questions per chain length (default 100): a smaller run of the same pipeline.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 QUICK=0
 OUT=outputs/mini
 SOURCE=assets/depth_llama
+STEPS_ARG=
+EVAL_ARG=
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
+    --steps) STEPS_ARG=${2:?--steps needs a number}; shift ;;
+    --eval-examples) EVAL_ARG=${2:?--eval-examples needs a number}; shift ;;
     --out) OUT=${2:?--out needs a folder}; shift ;;
     --source) SOURCE=${2:?--source needs an HF model folder}; shift ;;
     -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "reproduce_mini.sh: error: unknown argument $1 (use --quick, --out DIR, --source HF_FOLDER)" >&2; exit 2 ;;
+    *) echo "reproduce_mini.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
+done
+for value in "$STEPS_ARG" "$EVAL_ARG"; do
+  if [ -n "$value" ] && ! [[ "$value" =~ ^[1-9][0-9]*$ ]]; then
+    echo "reproduce_mini.sh: error: --steps and --eval-examples take an integer >= 1, got $value" >&2
+    exit 2
+  fi
 done
 
 [ -x .venv/bin/python ] || bash tools/setup_env.sh
@@ -41,10 +53,13 @@ SEED=0
 SHAPE=2,2,2
 MEAN=4
 if [ "$QUICK" = 1 ]; then
-  TRAIN_EXAMPLES=2000; EVAL_EXAMPLES=4; STEPS=6; INTERVAL=3; RECURRENCES=1,2,4; LOSS_BATCHES=2
+  TRAIN_EXAMPLES=2000; EVAL_EXAMPLES=4; STEPS=6; RECURRENCES=1,2,4; LOSS_BATCHES=2
 else
-  TRAIN_EXAMPLES=100000; EVAL_EXAMPLES=100; STEPS=1200; INTERVAL=300; RECURRENCES=1,2,4,8,16,32; LOSS_BATCHES=8
+  TRAIN_EXAMPLES=100000; EVAL_EXAMPLES=100; STEPS=1200; RECURRENCES=1,2,4,8,16,32; LOSS_BATCHES=8
 fi
+STEPS=${STEPS_ARG:-$STEPS}
+EVAL_EXAMPLES=${EVAL_ARG:-$EVAL_EXAMPLES}
+if [ "$QUICK" = 1 ]; then INTERVAL=3; else INTERVAL=$(( STEPS >= 4 ? STEPS / 4 : 1 )); fi
 
 if [ -e "$OUT" ] && [ ! -f "$OUT/timings.tsv" ] && [ -n "$(ls -A "$OUT")" ]; then
   echo "reproduce_mini.sh: error: $OUT exists and is not an earlier output of this script; choose another --out" >&2
