@@ -1,13 +1,9 @@
-"""The miniature reproduction: the depth task's generator and harness tasks, and the whole pipeline in --quick form."""
+"""The miniature's depth task: generator, splits and harness tasks (the whole pipeline: tests/test_compare.py)."""
 
 from __future__ import annotations
 
-import csv
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -90,37 +86,5 @@ def test_task_yaml_scores_exact_match(depth_task, tmp_path: Path) -> None:
 
     for shift, expected in ((0, 1.0), (1, 0.0)):
         result = simple_evaluate(model=Oracle(shift), tasks=[str(tmp_path / "depth_chain_test.yaml")],
-                                 task_manager=TaskManager())
+                                 task_manager=TaskManager(include_defaults=False, include_path=str(tmp_path)))
         assert result["results"]["depth_chain_test"]["exact_match,flexible-extract"] == expected
-
-
-def test_quick_pipeline_end_to_end(tmp_path: Path) -> None:
-    """bash tools/reproduce_mini.sh --quick: every stage, both arms on 2 ranks, FLOPs as tools/flops.py counts them."""
-    out = tmp_path / "mini"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(["bash", "tools/reproduce_mini.sh", "--quick", "--out", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads((out / "compare" / "compare.json").read_text())
-    recurrent, static = report["runs"]
-    assert (recurrent["recurrent"], static["recurrent"]) == (True, False)
-    assert recurrent["world_size"] == static["world_size"] == 2
-    matched = json.loads((out / "flops_match.json").read_text())["matched_steps"]
-    assert static["steps"] == round(matched["paper"])
-    for run, config in ((recurrent, "recurrent"), (static, "static")):
-        flops = json.loads(subprocess.run(
-            [sys.executable, "tools/flops.py", "--config", str(out / "configs" / f"{config}.toml"), "--world-size", "2",
-             "--json"], cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout)
-        assert run["flops"] == {"paper": flops["paper_flops"], "full": flops["full_flops"]}
-        assert [p["step"] for p in run["points"]][-1] == run["steps"]
-    tasks = recurrent["points"][-1]["results"]["4"]["tasks"]
-    assert set(tasks) == {"depth_chain_validation", "depth_chain_test"}
-    assert all(0 <= t["exact_match,flexible-extract"] <= 1 for t in tasks.values())
-    md = (out / "compare" / "compare.md").read_text()
-    assert "## depth_chain_test exact_match,flexible-extract" in md and "(static: same at every r)" in md
-    for name in ("loss", "depth_chain_validation", "depth_chain_test"):
-        assert (out / "compare" / f"{name}_vs_r.png").is_file() and (out / "compare" / f"{name}_vs_flops.png").is_file()
-    with (out / "timings.tsv").open() as f:
-        stages = [row["stage"] for row in csv.DictReader(f, delimiter="\t")]
-    assert stages == ["task", "convert_recurrent", "convert_static", "train_recurrent", "match", "train_static",
-                      "compare", "total"]
