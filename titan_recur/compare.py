@@ -23,6 +23,7 @@ from titan_recur.checkpoint import read_metadata, scan_checkpoints
 from titan_recur.config import JobConfig, load_config
 from titan_recur.flops import CONVENTIONS, TrainingRun, config_training_run
 from titan_recur.models.io import read_model_args
+from titan_recur.plots import figure_vs_r, pyplot, save_figure
 
 CONFIG_NAME, METRICS_NAME, FINAL_MODEL = "config.json", "metrics.jsonl", "final_model"
 JSON_NAME, MARKDOWN_NAME = "compare.json", "compare.md"
@@ -286,6 +287,10 @@ class Quantity:
     def title(self) -> str:
         return "held-out loss" if self.task is None else f"{self.task} {self.metric}"
 
+    @property
+    def axis_label(self) -> str:
+        return "held-out loss" if self.metric is None else self.metric.split(",")[0]
+
 
 def quantities(report: dict[str, Any], metric: str | None = None) -> list[Quantity]:
     """The loss (if measured) and each task's headline metric (``metric``, else PREFERRED_METRICS, else the first)."""
@@ -344,30 +349,27 @@ def markdown(report: dict[str, Any], qs: Sequence[Quantity]) -> str:
 
 def plot_vs_recurrence(report: dict[str, Any], q: Quantity, path: Path) -> None:
     """Score vs test r of each run's last evaluated model; static runs as horizontal lines."""
-    plt = _pyplot()
     rs = report["recurrences"]
-    fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=120)
+    series, baselines = {}, {}
     for run in report["runs"]:
         point = run["points"][-1]
-        values = [_value_at(run, point, q, r) for r in rs]
         if run["recurrent"]:
-            ax.plot(rs, values, marker="o", label=f"{run['label']} (train mean {run['train_mean_recurrence']})")
-        elif values[0] is not None:
-            ax.axhline(values[0], color="black", linestyle="--", label=f"static baseline: {run['label']}")
-    ax.set_xscale("log", base=2)
+            series[f"{run['label']} (train mean {run['train_mean_recurrence']})"] = {
+                r: v for r in rs if (v := _value_at(run, point, q, r)) is not None}
+        elif (value := _value_at(run, point, q, rs[0])) is not None:
+            baselines[f"static baseline: {run['label']}"] = value
+    fig = figure_vs_r(series, q.axis_label, f"{q.title}\n(last evaluated model of each run)")
+    ax = fig.axes[0]
+    for label, value in baselines.items():
+        ax.axhline(value, color="black", linestyle="--", label=label)
     ax.set_xticks(rs, [str(r) for r in rs])
-    ax.set_xlabel("test recurrence r")
-    ax.set_ylabel(q.title)
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_vs_flops(report: dict[str, Any], q: Quantity, path: Path) -> None:
     """Score vs training FLOPs (paper | full convention): recurrent runs per test r, static runs as crosses."""
-    plt = _pyplot()
+    plt = pyplot()
     rs = report["recurrences"]
     colors = plt.get_cmap("viridis")([i / max(len(rs) - 1, 1) for i in range(len(rs))])
     markers = "os^Dv<>"
@@ -388,26 +390,14 @@ def plot_vs_flops(report: dict[str, Any], q: Quantity, path: Path) -> None:
         ax.set_xscale("log")
         ax.set_xlabel(f"training FLOPs ({convention} convention)")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel(q.title)
+    axes[0].set_ylabel(q.axis_label)
     names = ", ".join(f"'{markers[j % len(markers)]}' {run['label']}"
                       for j, run in enumerate(r for r in report["runs"] if r["recurrent"]))
     fig.suptitle(f"{q.title} vs training FLOPs" + (f"  (recurrent runs at each test r, markers: {names})"
                                                     if names else ""), fontsize=9)
     axes[1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise ImportError("the plots need matplotlib: pip install -e '.[eval]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    save_figure(fig, path)
 
 
 def write_report(report: dict[str, Any], out: str | Path, metric: str | None = None) -> list[Path]:
