@@ -16,8 +16,8 @@
 #   6. compare  tools/compare.py: exact match (harness, greedy generation) on both splits and held-out loss,
 #               at r = 1..32, for every checkpoint of both runs; tables and plots in OUT/compare
 # --quick runs every stage with a few steps and examples (the test suite's end-to-end check).
-# --steps N trains the recurrent arm N steps (default 1200; checkpoints every N/4) and --eval-examples N
-# scores N questions per chain length (default 100): a smaller run of the same pipeline.
+# --steps N trains the recurrent arm N steps (default 200; checkpoints every N/4) and --eval-examples N
+# scores N questions per chain length (default 40): longer or larger runs of the same pipeline.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,7 +55,7 @@ MEAN=4
 if [ "$QUICK" = 1 ]; then
   TRAIN_EXAMPLES=2000; EVAL_EXAMPLES=4; STEPS=6; RECURRENCES=1,2,4; LOSS_BATCHES=2
 else
-  TRAIN_EXAMPLES=100000; EVAL_EXAMPLES=100; STEPS=1200; RECURRENCES=1,2,4,8,16,32; LOSS_BATCHES=8
+  TRAIN_EXAMPLES=100000; EVAL_EXAMPLES=40; STEPS=200; RECURRENCES=1,2,4,8,16,32; LOSS_BATCHES=8
 fi
 STEPS=${STEPS_ARG:-$STEPS}
 EVAL_EXAMPLES=${EVAL_ARG:-$EVAL_EXAMPLES}
