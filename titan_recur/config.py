@@ -268,6 +268,20 @@ class Metrics:
         None, "Per-device peak FLOP/s for MFU; none = look up the device (MFU is null on CPU unless given)."
     )
     jsonl: bool = opt(True, "Write metrics as JSON lines.")
+    enable_wandb: bool = opt(
+        False,
+        "Also log every record to Weights & Biases (pip install 'titan_recur[wandb]'). The run id is kept in "
+        "<dump_folder>/wandb_run_id, so a resumed run continues the same W&B run.",
+    )
+    wandb_project: str = opt("titan_recur", "W&B project.")
+    wandb_entity: str | None = opt(None, "W&B entity (user or team); none = your default entity.")
+    wandb_run_name: str | None = opt(None, "W&B run name; none = the dump folder's name.")
+    wandb_tags: list[str] = opt([], "W&B run tags.")
+    wandb_mode: Literal["online", "offline"] | None = opt(
+        None,
+        "'offline' writes the run under <dump_folder>/wandb only (upload later with `wandb sync`); "
+        "none = wandb's default (the WANDB_MODE environment variable, else online).",
+    )
 
 
 @dataclass
