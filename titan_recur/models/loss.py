@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 # Label value that carries no loss (padding, the masked prefix of a packed row, ...).
 IGNORE_INDEX = -100
@@ -33,18 +32,49 @@ def chunked_cross_entropy_sum(
 ) -> torch.Tensor:
     """``cross_entropy_sum(hidden @ weight.T, labels)`` without ever holding the full logits.
 
-    The head matmul and the loss run ``chunk_tokens`` tokens at a time, and each chunk is recomputed
-    in backward instead of saved, so peak memory holds one chunk's logits (fp32 + grad) rather than
-    (B, T, V) of them: at Llama-3's vocabulary (128,256) and 8 x 1,024 tokens that is 4 GiB of fp32
-    logits alone. Costs one extra head matmul per token in backward.
+    The head matmul and the loss run ``chunk_tokens`` tokens at a time in forward and again in
+    backward, which writes each chunk's input gradient and adds its weight gradient into one buffer.
+    Peak memory holds one chunk's logits and their gradient, instead of (tokens x vocab) of each: at
+    Llama-3's vocabulary (128,256) and 8 x 1,024 tokens, 4 GiB of fp32 logits plus 4 GiB of gradient.
+    Costs one extra head matmul per token (the recompute).
     """
-    hidden, labels = hidden.flatten(0, -2), labels.flatten()
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        rows = slice(start, start + chunk_tokens)
-        total = total + checkpoint(_head_loss_sum, hidden[rows], weight, labels[rows], use_reentrant=False)
-    return total
+    return _ChunkedHeadLoss.apply(hidden.flatten(0, -2), weight, labels.flatten(), chunk_tokens)
 
 
-def _head_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return cross_entropy_sum(F.linear(hidden, weight), labels)
+class _ChunkedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        compute_dtype = hidden.dtype
+        for rows in _chunks(hidden.shape[0], chunk):
+            logits = F.linear(hidden[rows], weight)  # under autocast: its dtype, which backward reuses
+            compute_dtype = logits.dtype
+            total += cross_entropy_sum(logits, labels[rows])
+        ctx.save_for_backward(hidden, weight, labels)
+        ctx.chunk, ctx.compute_dtype = chunk, compute_dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        hidden, weight, labels = ctx.saved_tensors
+        w = weight.to(ctx.compute_dtype)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for rows in _chunks(hidden.shape[0], ctx.chunk):
+            h = hidden[rows].to(ctx.compute_dtype)
+            # d(sum of CE)/d(logits) = softmax - onehot(label) on labelled rows, 0 on ignored ones.
+            grad_logits = torch.softmax(F.linear(h, w).float(), dim=-1)
+            y = labels[rows]
+            valid = y != IGNORE_INDEX
+            grad_logits[valid, y[valid]] -= 1
+            grad_logits[~valid] = 0
+            grad_logits = (grad_logits * grad_total).to(ctx.compute_dtype)
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad_logits @ w
+            grad_weight += (grad_logits.T @ h).float()
+        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None
+
+
+def _chunks(total: int, size: int) -> list[slice]:
+    return [slice(start, start + size) for start in range(0, total, size)]

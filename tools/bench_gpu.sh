@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The training step on one GPU: Llama-3.2-1B 4,6,4 (random init), bf16 FSDP2, r in {4, 8, 32} (k = min(r, 8)),
+# seq 1024 and 4096, compile on/off, each AC mode. Prints one line per point (tokens/s, MFU, peak memory,
+# no-grad and grad iteration times) and writes all points as JSON lines to $OUT (default outputs/bench_gpu.jsonl).
+#   bash tools/bench_gpu.sh            # the full grid (~36 points)
+#   QUICK=1 bash tools/bench_gpu.sh    # r 8 and 32 at seq 1024, compile on, AC per_iteration and none (4 points)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-outputs/bench_gpu.jsonl}
+mkdir -p "$(dirname "$OUT")"
+: > "$OUT"
+export TORCHINDUCTOR_CACHE_DIR="$PWD/.cache/inductor" OMP_NUM_THREADS=8
+
+point() {  # r seq compile ac
+  local r=$1 seq=$2 compile=$3 ac=$4 k n batch
+  k=$(( r < 8 ? r : 8 )); n=$(( r - k )); batch=$(( 8192 / seq ))
+  local flags=(--preset llama3.2-1b --shape 4,6,4 --num-steps "$n,$k" --seq-len "$seq" --local-batch "$batch"
+               --ac-mode "$ac" --steps "${STEPS:-10}" --warmup 3)
+  [ "$compile" = 1 ] && flags+=(--compile)
+  $PY -m torch.distributed.run --standalone --nproc-per-node 1 tools/bench_step.py "${flags[@]}" --jsonl "$OUT" \
+    | tail -n 1 || echo "r=$r seq $seq compile $compile ac $ac: failed (e.g. out of memory; see above)"
+}
+
+if [ "${QUICK:-0}" = 1 ]; then
+  for r in 8 32; do for ac in per_iteration none; do point "$r" 1024 1 "$ac"; done; done
+else
+  for seq in 1024 4096; do for compile in 1 0; do for ac in per_iteration full none; do for r in 4 8 32; do
+    point "$r" "$seq" "$compile" "$ac"
+  done; done; done; done
+fi
+echo "wrote $OUT"

@@ -1,0 +1,148 @@
+"""Benchmark the real training step: tokens/s, MFU, peak memory, no-grad and grad iteration times.
+
+Runs titan_recur's Trainer (parallelize recipe, FSDP2 with bf16 mixed precision on GPU, Muon + AdamW,
+chunked loss) on random token batches at a fixed (n, k), so the figure is the step users run at the
+depth they choose. Launch under torchrun (one process per GPU; FSDP2 and its mixed-precision policy
+need a process group), or as one process on the CPU.
+
+    torchrun --standalone --nproc-per-node 1 tools/bench_step.py --preset llama3.2-1b --shape 4,6,4 \\
+        --num-steps 24,8 --seq-len 1024 --local-batch 8 --compile --ac-mode per_iteration
+    python tools/bench_step.py --model assets/tiny_llama_recurrent --num-steps 3,1 --seq-len 64   # CPU
+
+MFU uses the full FLOP convention (titan_recur.flops: every matmul of the (n, k) run, attention
+included, AC recompute excluded) over the device's dense bf16 peak (--peak-flops to override).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--preset", help="source-model preset, random init (e.g. llama3.2-1b)")
+    model.add_argument("--model", help="a model folder (e.g. assets/tiny_llama_recurrent)")
+    parser.add_argument("--shape", default="4,6,4", help="P,R,C with --preset")
+    parser.add_argument("--num-steps", default="24,8", help="n,k: no-grad then grad core iterations")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--local-batch", type=int, default=8, help="sequences per GPU per step")
+    parser.add_argument("--ac-mode", default="per_iteration", choices=["none", "full", "per_iteration"])
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--peak-flops", type=float, help="per-device peak FLOP/s (default: the device table)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--jsonl", type=Path, help="also append the result as one JSON line to this file")
+    return parser.parse_args(argv)
+
+
+def trainer_overrides(args: argparse.Namespace, dump: str) -> list[str]:
+    if args.preset:
+        model = ["--model.path", "none", "--model.preset", args.preset, "--model.shape", args.shape, "--model.init", "random",
+                 "--data.tokenizer", str(REPO / "assets" / "tokenizer")]
+    else:
+        model = ["--model.path", args.model, "--model.preset", "none", "--model.shape", ""]
+    return [
+        *model, "--job.dump_folder", dump, "--training.steps", str(args.warmup + args.steps),
+        "--training.local_batch_size", str(args.local_batch), "--training.seq_len", str(args.seq_len),
+        "--training.ac_mode", args.ac_mode, "--training.compile", str(args.compile).lower(),
+        "--training.loss_chunk_tokens", str(args.loss_chunk_tokens),
+        "--checkpoint.enable", "false", "--checkpoint.export_final", "false", "--validation.enable", "false",
+        "--metrics.enable_tensorboard", "false", "--metrics.jsonl", "false",
+        "--data.validation_fraction", "0", "--recurrence.curriculum", "none", "--training.global_batch_size", "none",
+        *(["--metrics.peak_flops", str(args.peak_flops)] if args.peak_flops else []),
+    ]
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Time the step at (n, k), then at (n + 4, k) and (n, k + 2): the differences are the cost of one
+    no-grad and one grad iteration inside the real step (changing (n, k) compiles nothing new)."""
+    import torch
+
+    from titan_recur import flops
+    from titan_recur.config import load_config
+    from titan_recur.train import Trainer
+
+    n, k = (int(v) for v in args.num_steps.split(","))
+    with tempfile.TemporaryDirectory() as dump:
+        # The debug config supplies data sources and the tokenizer check; the batches below replace its data.
+        trainer = Trainer(load_config(str(REPO / "train_configs" / "debug_model.toml"), trainer_overrides(args, dump)))
+        gen = torch.Generator().manual_seed(trainer.dist.rank)
+        vocab, device = trainer.model_args.vocab_size, trainer.dist.device
+
+        def batches():
+            while True:
+                rows = torch.randint(0, vocab, (args.local_batch, args.seq_len + 1), generator=gen)
+                yield {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+
+        data = batches()
+
+        def seconds_per_step(depth: tuple[int, int], steps: int) -> float:
+            trainer.schedule.sample = lambda step, micro_step: depth
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(steps):
+                trainer.step += 1
+                trainer.train_step(data)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return (time.perf_counter() - start) / steps
+
+        seconds_per_step((n, k), args.warmup)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        seconds = seconds_per_step((n, k), args.steps)
+        memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+        recurrent = trainer.model_args.is_recurrent
+        no_grad_ms = 1000 * (seconds_per_step((n + 4, k), args.steps) - seconds) / 4 if recurrent else None
+        grad_ms = 1000 * (seconds_per_step((n, k + 2), args.steps) - seconds) / 2 if recurrent else None
+        tokens = args.local_batch * args.seq_len * trainer.grad_accum
+        per_token = flops.training_flops_per_token(trainer.model_args, (n, k), args.seq_len, args.ac_mode)
+        peak = trainer.metrics.peak_flops
+        result = {
+            "model": args.preset or args.model, "shape": args.shape if args.preset else None,
+            "num_steps": [n, k], "seq_len": args.seq_len, "local_batch": args.local_batch,
+            "world_size": trainer.dist.world_size, "ac_mode": args.ac_mode, "compile": args.compile,
+            "device": str(device), "step_seconds": seconds, "tokens_per_sec_per_device": tokens / seconds,
+            "model_flops_per_token": per_token.total, "peak_flops": peak,
+            "mfu": flops.mfu(per_token.total * tokens / seconds, peak), "peak_memory_gib": memory,
+            "no_grad_iteration_ms": no_grad_ms, "grad_iteration_ms": grad_ms,
+        }
+        trainer.close()
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = run(args)
+    if args.jsonl:
+        with args.jsonl.open("a") as out:
+            out.write(json.dumps(result) + "\n")
+    if args.json:
+        print(json.dumps(result))
+        return
+    mfu = "n/a" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"
+    mem = "n/a" if result["peak_memory_gib"] is None else f"{result['peak_memory_gib']:.1f} GiB"
+
+    def ms(v):
+        return "n/a" if v is None else f"{v:.2f} ms"
+
+    print(f"{result['model']} {result['shape'] or ''} (n,k)={tuple(result['num_steps'])} seq {args.seq_len} "
+          f"batch {args.local_batch} ac {args.ac_mode} compile {args.compile}: "
+          f"{result['tokens_per_sec_per_device']:,.0f} tok/s/device, MFU {mfu}, peak {mem}, "
+          f"no-grad iteration {ms(result['no_grad_iteration_ms'])}, grad iteration {ms(result['grad_iteration_ms'])}")
+
+
+if __name__ == "__main__":
+    main()
