@@ -26,6 +26,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from titan_recur.models.args import PRESETS
+from titan_recur.resources import find_config
 
 # Activation checkpointing modes of the parallelize recipe (their FLOP cost is in titan_recur.flops).
 ACMode = Literal["none", "full", "per_iteration"]
@@ -772,6 +773,7 @@ def read_config_file(path: str, _chain: tuple[str, ...] = ()) -> dict[str, Any]:
 
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> JobConfig:
     """Defaults, then the file at ``path`` (if any), then ``--section.key value`` overrides; validated."""
+    path = find_config(path) if path else path
     cfg = config_from_dict(read_config_file(path), source=path) if path else JobConfig()
     for name, value in _parse_overrides(overrides):
         _assign(cfg, name, value)

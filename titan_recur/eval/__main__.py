@@ -21,10 +21,11 @@ from pathlib import Path
 
 from titan_recur.checkpoint import CheckpointError
 from titan_recur.models.args import STATE_INITS
+from titan_recur.resources import project_folder
 
 DEFAULT_RECURRENCES = "1,2,4,8,16,32"
-# The project's task configs (tasks/ of the source tree), always on the harness's include path.
-PROJECT_TASKS = Path(__file__).resolve().parents[2] / "tasks"
+# The project's task configs (tasks/ of the checkout, or shipped in the wheel), always on the harness's include path.
+PROJECT_TASKS = project_folder("tasks")
 
 
 def parse_ints(text: str) -> list[int]:
@@ -58,16 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(loss)
 
     harness = commands.add_parser("harness", help="lm-eval-harness tasks at each test recurrence, one model load")
-    harness.add_argument("--model_args", required=True,
+    harness.add_argument("--model-args", "--model_args", required=True,
                          help="titan_recur model args, e.g. pretrained=PATH,batch_size=16,max_gen_toks=256")
     harness.add_argument("--tasks", required=True, help="comma-separated task names, globs or YAML files")
     harness.add_argument("--recurrences", type=parse_ints, help="test recurrences (default: num_steps of model_args, "
                          "else the model's mean_recurrence)")
-    harness.add_argument("--include_path", action="append", default=[],
+    harness.add_argument("--include-path", "--include_path", action="append", default=[],
                          help=f"extra task folder (repeatable); {PROJECT_TASKS} is always included")
-    harness.add_argument("--num_fewshot", type=int, help="override the tasks' number of few-shot examples")
+    harness.add_argument("--num-fewshot", "--num_fewshot", type=int, help="override the tasks' number of few-shot examples")
     harness.add_argument("--limit", type=float, help="examples per task (a fraction if < 1); for testing only")
-    harness.add_argument("--log_samples", action="store_true", help="also write per-sample outputs")
+    harness.add_argument("--log-samples", "--log_samples", action="store_true", help="also write per-sample outputs")
     harness.add_argument("--out", required=True, type=Path,
                          help="output folder for results_r*.json and table.{json,md}")
 
