@@ -102,7 +102,7 @@ def run_loss(args: argparse.Namespace) -> None:
         tokenizer, seq_len=seq_len, batch_size=args.batch_size, num_batches=args.batches,
         data=args.data, text_field=args.text_field, config=args.config,
     )
-    report = loss_sweep(model, batches, recurrences, device, args.state_init)
+    report = loss_sweep(model, batches, recurrences, device, args.state_init, num_batches=args.batches)
     report.update(checkpoint=str(args.checkpoint), data=args.data or f"{args.config} (validation split)",
                   seq_len=seq_len, batch_size=args.batch_size, batches=args.batches, dtype=args.dtype)
     json_path, plot_path = write_report(report, args.out, title=str(args.checkpoint))
