@@ -8,7 +8,10 @@
 #         --requeue --open-mode append -o logs/%x-%j.out slurm/launch.sh [--section.key VALUE ...]
 # Arguments are passed through to the trainer (python -m titan_recur.train), after --config and
 # --job.dump_folder, so they override both. --dry-run (or DRY_RUN=1) prints the commands instead of
-# running them; outside Slurm it fakes the allocation from SLURM_* variables (below).
+# running them, then runs the trainer's preflight on this node (`python -m titan_recur.train ...
+# --check --world-size <nodes x GPUs>`: config, model folder, tokenizer, data sources, batch
+# geometry, the plan) and fails with its status (2) when a check fails; outside Slurm it fakes the
+# allocation from SLURM_* variables (below).
 #
 # Environment (all optional):
 #   CONFIG            train config, relative to the repository (set by the per-model scripts)
@@ -24,6 +27,8 @@
 #   VENV              virtualenv to activate (default: $REPO/.venv when it exists)
 #   TORCHRUN          the torchrun command (default: torchrun)
 #   SRUN_EXTRA_ARGS   extra srun flags for site quirks, e.g. "--gpus-per-node=8 --cpu-bind=none"
+#   PYTHON            the python of the dry run's preflight (default: $VENV/bin/python, else
+#                     $REPO/.venv/bin/python, else python3); PREFLIGHT=0 skips the preflight
 #   DRY_RUN=1         print, don't run. Fake allocation: SLURM_JOB_ID, SLURM_JOB_NODELIST (expanded
 #                     by `scontrol show hostnames`, or by a built-in expander when scontrol is
 #                     absent), SLURM_NNODES, SLURM_GPUS_ON_NODE; missing ones default to job
@@ -204,6 +209,7 @@ launch_main() {
   done
   log "requeue: 'scontrol requeue $job_id' when the trainer exits $EXIT_PREEMPTED (checkpoint written) or SIGUSR1 arrived; 0 = done; 3 = non-finite loss, 2 = bad input: no requeue"
   if ((dry_run)); then
+    preflight "$dump" "$((nnodes * gpus))" || return $?
     log "dry run: nothing was started"
     return 0
   fi
@@ -255,6 +261,31 @@ launch_main() {
   fi
   log "not requeued (status $rc: see the trainer's error above)"
   return "$rc"
+}
+
+# The trainer's --check on this node, for the allocation's world size; its status on failure.
+preflight() {
+  local dump=$1 world=$2 python=${PYTHON:-}
+  if [[ ${PREFLIGHT:-1} == 0 ]]; then
+    log "preflight: skipped (PREFLIGHT=0)"
+    return 0
+  fi
+  if [[ -z $python ]]; then
+    if [[ -n ${VENV:-} ]]; then python=$VENV/bin/python
+    elif [[ -x $REPO/.venv/bin/python ]]; then python=$REPO/.venv/bin/python
+    else python=python3
+    fi
+  fi
+  local check_cmd=("$python" -m titan_recur.train --config "$CONFIG" --job.dump_folder "$dump"
+    ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} --check --world-size "$world")
+  log "preflight: $(_quote "${check_cmd[@]}")"
+  local rc=0
+  "${check_cmd[@]}" || rc=$?
+  if ((rc != 0)); then
+    printf '[launch] error: preflight failed (status %s): fix the problems above before submitting\n' "$rc" >&2
+    return "$rc"
+  fi
+  return 0
 }
 
 _on_usr1() {

@@ -239,6 +239,8 @@ def index_without_lm_eval_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_harness_cli_writes_table(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The primary command, end to end."""
+    import matplotlib.image
+
     index_without_lm_eval_tasks(monkeypatch)
     argv = ["harness", "--model_args", f"pretrained={model_dir},batch_size=8", "--include_path", str(LM_EVAL_TASKS),
             "--tasks", "titan_recur_tiny_gen", "--recurrences", "2,4", "--limit", "3", "--log_samples",
@@ -246,6 +248,8 @@ def test_harness_cli_writes_table(model_dir: Path, tmp_path: Path, monkeypatch: 
     assert eval_main(argv) == 0
     assert "| titan_recur_tiny_gen | exact_match,flexible-extract |" in (tmp_path / "table.md").read_text()
     assert (tmp_path / "samples_r4.json").is_file()
+    image = matplotlib.image.imread(tmp_path / "accuracy_vs_r.png")  # accuracy vs r, one line per metric
+    assert image.ndim == 3 and image.shape[0] > 100
 
 
 def test_unknown_task_is_a_clear_error(task_manager) -> None:
@@ -308,3 +312,185 @@ def test_lm_eval_cli_with_registered_model(model_dir: Path, monkeypatch: pytest.
             "--device", "cpu"]
     assert eval_main(argv) == 0
     assert "titan_recur_tiny_choice" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ finite files, held-out files, in-loop parity
+
+
+def encoded_lengths(path: Path) -> list[int]:
+    from titan_recur.data import encode_document
+    from titan_recur.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(DEBUG_MODEL)
+    return [len(encode_document(tokenizer, json.loads(line)["text"])) for line in path.read_text().splitlines()]
+
+
+def test_loss_cli_reads_a_one_document_file_once(tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys) -> None:
+    """One short document: one pass, the real token count, no "looping over it again", seconds."""
+    import time
+
+    doc = tmp_path / "one.jsonl"
+    doc.write_text(json.dumps({"text": "Question: Dev packs 2 boxes every hour. How many in 3 hours?\nAnswer: 6"}) + "\n")
+    start = time.process_time()
+    code = eval_main(["loss", "--checkpoint", str(DEBUG_MODEL), "--data", str(doc), "--recurrences", "1,2",
+                      "--out", str(tmp_path / "out")])
+    cpu_seconds = time.process_time() - start
+    assert code == 0
+    report = json.loads((tmp_path / "out" / "validation_loss.json").read_text())
+    (length,) = encoded_lengths(doc)
+    assert report["tokens"] == length - 1 and report["batches_read"] == 1 and report["rows_read"] == 1
+    assert "looping" not in caplog.text
+    assert f"evaluated {length - 1} labelled tokens" in capsys.readouterr().out
+    assert cpu_seconds < 10
+
+
+def test_loss_cli_warns_when_the_data_has_fewer_batches(tmp_path: Path, capsys) -> None:
+    doc = tmp_path / "one.jsonl"
+    doc.write_text(json.dumps({"text": "A short document. " * 4}) + "\n")
+    argv = ["loss", "--checkpoint", str(DEBUG_MODEL), "--data", str(doc), "--recurrences", "1", "--batches", "4",
+            "--batch-size", "2", "--seq-len", "16", "--out", str(tmp_path / "out")]
+    assert eval_main(argv) == 0
+    report = json.loads((tmp_path / "out" / "validation_loss.json").read_text())
+    (length,) = encoded_lengths(doc)
+    rows = math.ceil(length / 17)  # rows of seq_len + 1 tokens, the last one padded
+    assert report["rows_read"] == rows and report["batches_read"] == math.ceil(rows / 2) < 4
+    assert report["tokens"] == length - rows
+    assert f"gave {report['batches_read']} batches of the 4 asked" in capsys.readouterr().err
+
+
+def test_single_pass_over_a_mixture_reads_every_document_once(tmp_path: Path) -> None:
+    """Two sources: the batches end when both are exhausted; every token is labelled except row starts."""
+    from titan_recur.eval.sweep import heldout_batches
+    from titan_recur.tokenizer import load_tokenizer
+
+    lines = (REPO / "assets" / "corpus" / "math.jsonl").read_text().splitlines()
+    paths = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    paths[0].write_text("\n".join(lines[:5]) + "\n")
+    paths[1].write_text("\n".join(lines[5:12]) + "\n")
+    config = tmp_path / "train.toml"
+    config.write_text(
+        f'[model]\npath = "{DEBUG_MODEL}"\n[training]\nseq_len = 31\nlocal_batch_size = 3\n'
+        + "".join(f'[[data.validation_sources]]\npath = "{p}"\nkind = "jsonl"\n' for p in paths)
+    )
+    batches = list(heldout_batches(load_tokenizer(DEBUG_MODEL), seq_len=31, batch_size=3, num_batches=None,
+                                   config=str(config)))
+    expected = sum(total - math.ceil(total / 32) for total in (sum(encoded_lengths(p)) for p in paths))
+    assert sum(int((b["labels"] != -100).sum()) for b in batches) == expected
+    assert all(int(b["input_ids"].min()) >= 0 for b in batches)
+
+
+def test_heldout_command_writes_the_validation_split(tmp_path: Path, capsys) -> None:
+    """The held-out documents of a config (by content hash), then eval loss --data on them."""
+    from titan_recur.data import _held_out
+
+    out = tmp_path / "held_out.jsonl"
+    config = str(REPO / "train_configs" / "debug_model.toml")
+    assert eval_main(["heldout", "--config", config, "--documents", "6", "--out", str(out)]) == 0
+    docs = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    assert len(docs) == 6 and all(_held_out(d, 0.05) for d in docs)
+    sources = [json.loads(line)["text"] for name in ("general", "math")
+               for line in (REPO / "assets" / "corpus" / f"{name}.jsonl").read_text().splitlines()]
+    assert set(docs) <= set(sources)
+    assert "wrote 6 documents" in capsys.readouterr().out
+    argv = ["loss", "--checkpoint", str(DEBUG_MODEL), "--data", str(out), "--seq-len", "64", "--recurrences", "1",
+            "--out", str(tmp_path / "eval")]
+    assert eval_main(argv) == 0
+    report = json.loads((tmp_path / "eval" / "validation_loss.json").read_text())
+    total = sum(encoded_lengths(out))
+    assert report["tokens"] == total - math.ceil(total / 65)
+
+
+def test_heldout_command_reads_any_source_whole(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "docs.jsonl"
+    source = REPO / "tests" / "assets_lm_eval" / "tiny.jsonl"
+    argv = ["heldout", "--data", str(source), "--text-field", "question", "--documents", "1000", "--out", str(out)]
+    assert eval_main(argv) == 0
+    expected = [json.loads(line)["question"] for line in source.read_text().splitlines()]
+    assert [json.loads(line)["text"] for line in out.read_text().splitlines()] == expected
+    assert f"has {len(expected)} documents, 1000 asked" in capsys.readouterr().err
+
+
+def test_heldout_command_errors_are_one_line(tmp_path: Path, capsys) -> None:
+    no_split = tmp_path / "no_split.toml"
+    no_split.write_text(f'[model]\npath = "{DEBUG_MODEL}"\n[[data.sources]]\npath = "x.jsonl"\nkind = "jsonl"\n')
+    cases = {
+        "no validation split": ["--config", str(no_split)],
+        "no file matches": ["--data", str(tmp_path / "missing.jsonl")],
+        "--documents must be >= 1": ["--data", str(no_split), "--documents", "0"],
+    }
+    for message, args in cases.items():
+        out = tmp_path / "out.jsonl"
+        argv = ["heldout", "--documents", "3", "--out", str(out), *args]
+        assert eval_main(argv) == 2, message
+        assert message in last_line(capsys.readouterr().err)
+        assert not out.exists() and not (tmp_path / "out.jsonl.tmp").exists()
+
+
+def test_validation_sources_are_the_validation_split(tmp_path: Path) -> None:
+    """[[data.validation_sources]]: read whole as the split; exclusive with the hash split."""
+    from titan_recur.config import ConfigError, load_config
+
+    source = REPO / "tests" / "assets_lm_eval" / "tiny.jsonl"
+    text = (f'[model]\npath = "{DEBUG_MODEL}"\n[validation]\nenable = true\n'
+            '[[data.sources]]\npath = "assets/corpus/math.jsonl"\nkind = "jsonl"\n'
+            f'[[data.validation_sources]]\npath = "{source}"\nkind = "jsonl"\ntext_field = "question"\n')
+    config = tmp_path / "train.toml"
+    config.write_text(text)
+    assert load_config(str(config)).data.validation_sources[0].path == str(source)
+    out = tmp_path / "docs.jsonl"
+    assert eval_main(["heldout", "--config", str(config), "--documents", "2", "--out", str(out)]) == 0
+    expected = [json.loads(line)["question"] for line in source.read_text().splitlines()[:2]]
+    assert [json.loads(line)["text"] for line in out.read_text().splitlines()] == expected
+    both = tmp_path / "both.toml"
+    both.write_text(text.replace("[validation]", "[data]\nvalidation_fraction = 0.1\n[validation]"))
+    with pytest.raises(ConfigError, match="set data.validation_fraction = 0"):
+        load_config(str(both))
+
+
+def test_harness_fails_before_the_model_when_task_data_is_unreachable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """GSM8K offline: one line naming the task and the dataset, exit 2, and no model is loaded."""
+    import titan_recur.eval.lm_eval_model as lm_eval_model
+
+    index_without_lm_eval_tasks(monkeypatch)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the task data was checked")
+
+    monkeypatch.setattr(lm_eval_model, "TitanRecurLM", no_model)
+    argv = ["harness", "--model_args", f"pretrained={DEBUG_MODEL}", "--tasks", "gsm8k_cot_recur",
+            "--out", str(tmp_path / "out")]
+    assert eval_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "cannot load the data of task(s) gsm8k_cot_recur" in err[0] and "openai/gsm8k" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_in_loop_validation_and_eval_loss_agree_on_the_same_rows(tmp_path: Path, capsys) -> None:
+    """`eval loss --config <run>/config.json` defaults to the in-loop geometry: the same rows, the same losses.
+
+    With other rows (the old defaults: 8 batches of 8) the numbers differ by more than float noise:
+    that, not the model, was the gap between the in-loop and the offline figure.
+    """
+    from titan_recur.train import main as train_main
+
+    dump = tmp_path / "run"
+    assert train_main(["--config", str(REPO / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(dump),
+                       "--training.steps", "2", "--validation.interval", "2", "--checkpoint.enable", "false",
+                       "--metrics.enable_tensorboard", "false"]) == 0
+    in_loop = next(json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()
+                   if "validation.loss_r1" in line)
+    common = ["loss", "--checkpoint", str(dump / "final_model"), "--config", str(dump / "config.json"),
+              "--recurrences", "1,2,4,8"]
+    assert eval_main([*common, "--out", str(tmp_path / "same")]) == 0
+    out = capsys.readouterr().out
+    assert "in-loop validation of" in out and "2 batches x 8 rows x 64 tokens on each rank" in out
+    same = json.loads((tmp_path / "same" / "validation_loss.json").read_text())
+    assert (same["batches"], same["batch_size"], same["seq_len"]) == (2, 8, 64)
+    for r in (1, 2, 4, 8):
+        assert same["loss"][str(r)] == pytest.approx(in_loop[f"validation.loss_r{r}"], rel=1e-6, abs=1e-6)
+    assert eval_main([*common, "--batches", "8", "--batch-size", "8", "--out", str(tmp_path / "other")]) == 0
+    other = json.loads((tmp_path / "other" / "validation_loss.json").read_text())
+    assert abs(other["loss"]["4"] - in_loop["validation.loss_r4"]) > 1e-3

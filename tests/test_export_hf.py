@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import shutil
 import subprocess
 import sys
@@ -66,6 +67,9 @@ def test_exported_logits_equal_titan_recur(recurrent_dir: Path, exported: Path) 
         torch.testing.assert_close(hf(ids).logits, model(ids, 4, state_init="zero"), atol=1e-5, rtol=0)
         hf2 = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True, mean_recurrence=2)
         torch.testing.assert_close(hf2(ids).logits, model(ids, 2, state_init="zero"), atol=1e-5, rtol=0)
+        # num_steps at load time: the depth of every call that names none (the depth knob of lm_eval's hf backend).
+        hf5 = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True, num_steps=5)
+        torch.testing.assert_close(hf5(ids).logits, model(ids, 5, state_init="zero"), atol=1e-5, rtol=0)
         assert not torch.allclose(model(ids, 1, state_init="zero"), model(ids, 4, state_init="zero"))
         loss = hf(ids, labels=ids, num_steps=2).loss  # HF convention: unshifted labels
         expected = cross_entropy_loss(model(ids, 2, state_init="zero")[:, :-1], ids[:, 1:])
@@ -141,7 +145,9 @@ def test_exported_tied_model_loads_tied(tmp_path: Path) -> None:
     model_dir = make_model_dir(tmp_path / "tied", tie_embeddings=True)
     export_hf(load_model(model_dir), tmp_path / "hf", tokenizer_folder=model_dir, mean_recurrence=3)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True)
-    assert hf.model.lm_head is None and hf.get_output_embeddings() is None  # tied: the head is the embedding
+    # Tied the transformers way: the head module's weight is the embedding's (titan_recur ties structurally).
+    assert hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+    assert load_model(model_dir).lm_head is None
     ids, _ = left_padded_batch()
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, load_model(model_dir)(ids, 3, state_init="zero"), atol=1e-5, rtol=0)
@@ -202,19 +208,40 @@ def test_generate_as_lm_eval_hf_backend_calls_it(recurrent_dir: Path, exported: 
         assert row[:n] == reference[:n] and n > 0
 
 
-def test_lm_eval_hf_backend_runs_the_export(exported: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`lm_eval --model hf --model_args pretrained=EXPORT,trust_remote_code=True` (its Python API)."""
-
+def test_lm_eval_hf_backend_equals_the_project_harness(recurrent_dir: Path, exported: Path) -> None:
+    """`lm_eval --model hf` on the export (docs/hf.md's model args) and the project's `titan_recur` model on the
+    same weights: equal loglikelihoods and rolling loglikelihoods at batch 1 and 4, equal generations."""
     from lm_eval import simple_evaluate
+    from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
 
-    monkeypatch.chdir(REPO)
-    result = simple_evaluate(
-        model="hf", model_args=f"pretrained={exported},trust_remote_code=True,dtype=float32,device=cpu",
-        tasks=["titan_recur_tiny_choice", "titan_recur_tiny_gen"], limit=3, batch_size=2,
-        task_manager=TaskManager(include_path=str(REPO / "tests" / "assets_lm_eval"), include_defaults=False),
-    )
-    assert set(result["results"]) == {"titan_recur_tiny_choice", "titan_recur_tiny_gen"}
+    import titan_recur.eval.lm_eval_model  # noqa: F401  (registers "titan_recur")
+
+    manager = TaskManager(include_path=str(REPO / "tests" / "assets_lm_eval"), include_defaults=False)
+    eos = json.loads((exported / "config.json").read_text())["eos_token_id"]
+    models = {
+        "hf": get_model("hf").create_from_arg_string(
+            f"pretrained={exported},trust_remote_code=True,dtype=float32,device=cpu,num_steps=3,prefix_token_id={eos}"
+        ),
+        "titan_recur": get_model("titan_recur").create_from_arg_string(f"pretrained={recurrent_dir},num_steps=3"),
+    }
+    samples: dict[tuple[str, int], dict] = {}
+    for name, lm in models.items():
+        for batch_size in (1, 4):
+            setattr(lm, "batch_size_per_gpu" if name == "hf" else "batch_size", batch_size)
+            tasks = ["titan_recur_tiny_choice", "titan_recur_tiny_rolling"]
+            tasks += ["titan_recur_tiny_gen"] if batch_size == 4 else []
+            result = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, log_samples=True)
+            samples[name, batch_size] = {task: [doc["resps"] for doc in result["samples"][task]] for task in tasks}
+    for batch_size in (1, 4):
+        hf, ours = samples["hf", batch_size], samples["titan_recur", batch_size]
+        for task in ("titan_recur_tiny_choice", "titan_recur_tiny_rolling"):
+            flat_hf = [r if isinstance(r, tuple) else (r, None) for doc in hf[task] for req in doc for r in req]
+            flat_ours = [r if isinstance(r, tuple) else (r, None) for doc in ours[task] for req in doc for r in req]
+            assert len(flat_hf) == len(flat_ours) >= 10
+            for a, b in zip(flat_hf, flat_ours):
+                assert a[0] == pytest.approx(b[0], rel=1e-5) and a[1] == b[1], (task, batch_size)
+    assert samples["hf", 4]["titan_recur_tiny_gen"] == samples["titan_recur", 4]["titan_recur_tiny_gen"]
 
 
 def export_tool():

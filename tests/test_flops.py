@@ -294,7 +294,7 @@ def test_cli_help(tool, capsys: pytest.CaptureFixture) -> None:
 def test_cli_json_paper_flops_and_match() -> None:
     result = run_tool(
         "--preset", "tinyllama-1.1b", "--shape", "4,8,4", "--max-mean", "4", "--at-step", "20000",
-        "--match", "tinyllama-1.1b:static", "--json",
+        "--match", "tinyllama-1.1b:static", "--world-size", "64", "--json",
     )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
@@ -310,9 +310,10 @@ def test_cli_json_paper_flops_and_match() -> None:
     "argv, words",
     [
         (["--preset", "tinyllama-1.1b", "--shape", "10,10,10"], ["30 layers", "22"]),
-        (["--shape", "4,8"], ["--shape", "3 comma-separated"]),
-        (["--steps", "10", "--num-steps", "x"], ["--num-steps"]),
-        (["--steps", "10", "--match", "nonsense"], ["--match"]),
+        (["--preset", "tinyllama-1.1b", "--shape", "4,8"], ["--shape", "3 comma-separated"]),
+        (["--preset", "tinyllama-1.1b", "--steps", "10", "--num-steps", "x"], ["--num-steps"]),
+        (["--preset", "tinyllama-1.1b", "--steps", "10", "--match", "nonsense"], ["--match"]),
+        (["--steps", "10"], ["give --preset", "--model FOLDER or --config FILE"]),  # no silent default model
         (["--model", "/nonexistent", "--shape", "4,8,4"], ["--model"]),
     ],
 )
@@ -364,8 +365,23 @@ def test_cli_model_folders(tool, tmp_path: Path, capsys: pytest.CaptureFixture) 
         folder.mkdir()
         write_model_args(args, folder)
     tool.main(["--model", str(recurrent), "--steps", "20", "--max-mean", "4", "--seq-len", "32",
-               "--match", str(static), "--json"])
+               "--tokens-per-step", str(TOKENS_PER_STEP), "--match", str(static), "--json"])
     out = json.loads(capsys.readouterr().out)
     static_step = TOKENS_PER_STEP * training_flops_per_token(static_args, (0, 1), 32).total
     assert out["matched_steps"]["full"] == pytest.approx(out["full_flops"] / static_step, rel=1e-9)
     assert out["params"]["total"] == param_counts(tiny_args()).total
+
+
+def test_cli_prints_its_assumptions_from_the_trainer_defaults(tool, capsys: pytest.CaptureFixture) -> None:
+    """Without --config the run is the trainer's defaults: 16 sequences x world size x seq_len per step."""
+    from titan_recur.config import Recurrence, Training
+
+    tool.main(["--preset", "tinyllama-1.1b", "--shape", "4,8,4", "--steps", "100", "--world-size", "2", "--json"])
+    assumed = json.loads(capsys.readouterr().out)["assumptions"]
+    t, r = Training(), Recurrence()
+    assert assumed["tokens_per_step"] == t.local_batch_size * 2 * t.seq_len == 16 * 2 * 1024
+    assert (assumed["steps"], assumed["world_size"], assumed["seq_len"], assumed["ac_mode"]) == (100, 2, 1024, t.ac_mode)
+    assert assumed["curriculum"] == f"{r.curriculum} curriculum of the mean r from 1 to {r.mean_recurrence} over 0.75 of the steps"
+    assert assumed["backprop_depth"] == r.backprop_depth
+    tool.main(["--preset", "tinyllama-1.1b", "--steps", "100"])
+    assert "assuming (the trainer's defaults and the flags given): 100 steps of 16,384 tokens" in capsys.readouterr().out

@@ -225,7 +225,7 @@ def test_no_grad_prefix_keeps_no_graph():
 
 
 def test_eval_int_steps_runs_without_grad_through_the_loop():
-    model = build(seed=0, adapter_init="random")
+    model = build(seed=0, adapter_init="random").eval()
     x = tokens()
     logits = model(x, 3, state_init="zero")
     cross_entropy_loss(logits[:, :-1], x[:, 1:]).backward()
@@ -234,6 +234,24 @@ def test_eval_int_steps_runs_without_grad_through_the_loop():
             assert p.grad is not None, name
         else:
             assert p.grad is None, name
+
+
+def test_train_mode_int_steps_train_every_part_with_truncated_backprop():
+    """In train mode with grad, r means r iterations whose last min(r, 8) carry grad: (n, k) = (r - 8, 8) for r > 8."""
+    model = build(seed=0, adapter_init="random")
+    x = tokens()
+    for r, expected in ((3, (0, 3)), (10, (2, 8))):
+        model.zero_grad()
+        logits = model(x, r, state_init="zero")
+        cross_entropy_loss(logits[:, :-1], x[:, 1:]).backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        cross_entropy_loss(model(x, expected, state_init="zero")[:, :-1], x[:, 1:]).backward()
+        for grad, p in zip(grads, model.parameters()):
+            torch.testing.assert_close(grad, p.grad, atol=0, rtol=0)
+        with torch.no_grad():
+            torch.testing.assert_close(logits, model(x, r, state_init="zero"), atol=0, rtol=0)
 
 
 # --- 3. per-iteration activation checkpointing -------------------------------------------------

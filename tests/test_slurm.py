@@ -12,6 +12,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -40,10 +41,27 @@ NODE_LINE = re.compile(r"^\[launch\] node (\d+) (\S+): (.*)$")
 def clean_env(**extra: str) -> dict[str, str]:
     """The current environment without Slurm/launcher variables, plus ``extra``."""
     drop = ("SLURM_", "SBATCH_", "DRY_RUN", "CONFIG", "RUN_NAME", "REPO", "GPUS_PER_NODE", "RDZV_", "VENV",
-            "TORCHRUN", "SRUN_EXTRA_ARGS", "MAX_REQUEUES", "LAUNCH_")
+            "TORCHRUN", "SRUN_EXTRA_ARGS", "MAX_REQUEUES", "LAUNCH_", "PYTHON", "PREFLIGHT")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(extra)
     return env
+
+
+# Stands in for the dry run's preflight (`python -m titan_recur.train ... --check`): records its argv.
+FAKE_PYTHON = """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_CHECK_ARGS"
+if [[ -n ${FAKE_CHECK_ERROR:-} ]]; then echo "error: $FAKE_CHECK_ERROR" >&2; exit 2; fi
+echo "[titan_recur] check passed"
+"""
+
+
+@pytest.fixture
+def fake_python(tmp_path) -> dict[str, str]:
+    """Environment entries that make the dry run's preflight a recording stand-in."""
+    script = tmp_path / "fake_python"
+    script.write_text(FAKE_PYTHON)
+    script.chmod(0o755)
+    return {"PYTHON": str(script), "FAKE_CHECK_ARGS": str(tmp_path / "check.args")}
 
 
 def run_script(script: Path, args: list[str], env: dict[str, str], cwd: Path, timeout: float = 20):
@@ -83,9 +101,9 @@ def test_sbatch_headers(script):
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_each_script_launches_its_config(script, tmp_path):
+def test_each_script_launches_its_config(script, tmp_path, fake_python):
     """Each batch script hands the shared launcher its own default config (a dry run shows the command)."""
-    result = run_script(SLURM / script, ["--dry-run"], clean_env(**TWO_NODES), cwd=tmp_path)
+    result = run_script(SLURM / script, ["--dry-run"], clean_env(**TWO_NODES, **fake_python), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     node = next(NODE_LINE.match(line) for line in result.stdout.splitlines() if NODE_LINE.match(line))
     argv = shlex.split(node[3])
@@ -97,9 +115,9 @@ def test_default_config_parses(script):
     load_config(str(REPO / SCRIPTS[script]))
 
 
-def test_dry_run_two_nodes(tmp_path):
+def test_dry_run_two_nodes(tmp_path, fake_python):
     """2 nodes x 8 GPUs: one torchrun line per node, c10d on the head node, args passed through."""
-    env = clean_env(**TWO_NODES)
+    env = clean_env(**TWO_NODES, **fake_python)
     result = run_script(SLURM / "llama1b_retrofit.sh", ["--dry-run", *PASS_THROUGH], env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     out = result.stdout.splitlines()
@@ -138,9 +156,9 @@ def test_dry_run_two_nodes(tmp_path):
     assert cfg.training.steps == 100 and cfg.job.dump_folder == "outputs/llama3_2_1b"
 
 
-def test_dry_run_defaults_without_slurm(tmp_path):
+def test_dry_run_defaults_without_slurm(tmp_path, fake_python):
     """Outside Slurm: the #SBATCH --nodes of the script, 8 GPUs, placeholder hosts; env overrides apply."""
-    env = clean_env(DRY_RUN="1", CONFIG="train_configs/llama3_2_1b_2_4_2.toml", RDZV_PORT="29600")
+    env = clean_env(DRY_RUN="1", CONFIG="train_configs/llama3_2_1b_2_4_2.toml", RDZV_PORT="29600", **fake_python)
     result = run_script(SLURM / "llama1b_retrofit.sh", [], env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     nodes = [NODE_LINE.match(line) for line in result.stdout.splitlines() if NODE_LINE.match(line)]
@@ -149,6 +167,37 @@ def test_dry_run_defaults_without_slurm(tmp_path):
     assert argv[argv.index("--nnodes") + 1] == "8"
     assert argv[argv.index("--rdzv-endpoint") + 1] == "node0:29600"
     assert argv[-4:] == ["--config", "train_configs/llama3_2_1b_2_4_2.toml", "--job.dump_folder", "outputs/llama3_2_1b_2_4_2"]
+
+
+def test_dry_run_runs_the_preflight_for_the_allocation(tmp_path, fake_python):
+    """The trainer's --check on the head node, with the passed-through args and nodes x GPUs ranks."""
+    result = run_script(SLURM / "llama1b_retrofit.sh", ["--dry-run", *PASS_THROUGH], clean_env(**TWO_NODES, **fake_python),
+                        cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    argv = Path(fake_python["FAKE_CHECK_ARGS"]).read_text().splitlines()
+    assert argv == ["-m", "titan_recur.train", "--config", "train_configs/llama3_2_1b.toml", "--job.dump_folder",
+                    "outputs/llama3_2_1b", *PASS_THROUGH, "--check", "--world-size", "16"]
+    assert "[titan_recur] check passed" in result.stdout
+
+
+def test_dry_run_fails_when_the_preflight_fails(tmp_path, fake_python):
+    env = clean_env(**TWO_NODES, **fake_python, FAKE_CHECK_ERROR="model.path x: no such folder")
+    result = run_script(SLURM / "llama1b_retrofit.sh", ["--dry-run"], env, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "error: model.path x: no such folder" in result.stderr and "preflight failed (status 2)" in result.stderr
+    assert "dry run: nothing was started" not in result.stdout
+    skipped = run_script(SLURM / "llama1b_retrofit.sh", ["--dry-run"], {**env, "PREFLIGHT": "0"}, cwd=tmp_path)
+    assert skipped.returncode == 0 and "preflight: skipped" in skipped.stdout
+
+
+def test_dry_run_preflight_with_the_real_trainer(tmp_path):
+    """The real check, on the debug config: a missing model folder fails the dry run in one line."""
+    env = clean_env(DRY_RUN="1", CONFIG="train_configs/debug_model.toml", SLURM_NNODES="1", GPUS_PER_NODE="2",
+                    PYTHON=sys.executable, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    result = run_script(SLURM / "launch.sh", ["--model.path", "no/such/model"], env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: model.path no/such/model: no such folder (convert a model first: tools/convert_hf.py)"]
 
 
 def test_not_in_slurm_without_dry_run_fails(tmp_path):

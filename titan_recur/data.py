@@ -11,7 +11,12 @@ the source's next row, so nothing is dropped. Row ``i`` of a rank belongs to opt
 ``i // rows_per_step``; the step picks the phase, and a generator seeded by (seed, rank, split, i)
 picks the source, so the mixture and the phase switches need no signal from the trainer and
 replay identically on resume. Documents whose content hash falls below
-``data.validation_fraction`` are held out of training and form the validation split.
+``data.validation_fraction`` are held out of training and form the validation split; or
+``[[data.validation_sources]]`` name a validation split of their own, read whole.
+
+Training streams loop over a source that runs out; evaluation reads a finite source exactly once
+(``single_pass``): the last row of a source is padded (labels IGNORE_INDEX) and the iteration ends
+once every source is exhausted.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titan_recur.config import Data, DataSource
+from titan_recur.models.loss import IGNORE_INDEX
 from titan_recur.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -83,6 +89,10 @@ def open_source(s: DataSource) -> datasets.IterableDataset:
     return ds.select_columns([_column(s)])
 
 
+class SourceExhausted(Exception):
+    """A single-pass source has no document left."""
+
+
 def _held_out(doc: str | list[int], fraction: float) -> bool:
     """Deterministic validation membership from the document's content (independent of ranks/workers)."""
     if fraction <= 0:
@@ -109,11 +119,16 @@ class _Reader:
     index: int
     count: int
     validation: bool
-    validation_fraction: float
+    validation_fraction: float  # 0: every document is this reader's (no hash split)
+    single_pass: bool = False
+
+    def keeps(self, doc: str | list[int]) -> bool:
+        return self.validation_fraction <= 0 or _held_out(doc, self.validation_fraction) == self.validation
 
 
 class _SourceStream:
-    """Packed rows of one source for one reader; loops over the source forever, counting epochs."""
+    """Packed rows of one source for one reader; loops over the source forever, counting epochs
+    (or, single_pass, reads it once and then raises SourceExhausted)."""
 
     def __init__(self, source: DataSource, tokenizer: Tokenizer, seq_len: int, reader: _Reader):
         self.source, self.tokenizer, self.reader = source, tokenizer, reader
@@ -150,6 +165,8 @@ class _SourceStream:
                     f"data source {self.name!r}: no {split} documents for reader {self.reader.index} of "
                     f"{self.reader.count} (empty dataset, or fewer documents/files than ranks x workers)"
                 ) from None
+            if self.reader.single_pass:
+                raise SourceExhausted(self.name) from None
             logger.warning(f"data source {self.name!r}: epoch {self.epoch} done, looping over it again")
             self.epoch, self.epoch_docs, self.batch_state = self.epoch + 1, 0, None
             self._open()
@@ -165,7 +182,7 @@ class _SourceStream:
             self.pos += 1
             if self.source.kind != "tokenized" and is_empty(doc):
                 continue
-            if _held_out(doc, self.reader.validation_fraction) == self.reader.validation:
+            if self.reader.keeps(doc):
                 self.epoch_docs += 1
                 return doc
 
@@ -179,11 +196,22 @@ class _SourceStream:
                 )
             return row
         while len(self.buffer) - self.offset < self.row_len:
-            ids = encode_document(self.tokenizer, self._next_doc())
-            self.buffer, self.offset = self.buffer[self.offset :] + ids, 0
+            try:
+                doc = self._next_doc()
+            except SourceExhausted:
+                return self._last_row()
+            self.buffer, self.offset = self.buffer[self.offset :] + encode_document(self.tokenizer, doc), 0
         row = self.buffer[self.offset : self.offset + self.row_len]
         self.offset += self.row_len
         return row
+
+    def _last_row(self) -> list[int]:
+        """A single-pass source's leftover tokens, padded with IGNORE_INDEX (no loss, no label)."""
+        rest = self.buffer[self.offset :]
+        self.buffer, self.offset = [], 0
+        if len(rest) < 2:  # nothing left that has a next token to predict
+            raise SourceExhausted(self.name)
+        return rest + [IGNORE_INDEX] * (self.row_len - len(rest))
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -211,7 +239,10 @@ class _Phase:
 
 
 def _phases(cfg: Data, split: str) -> list[tuple[int, list[DataSource]]]:
-    """[(start_step, sources)]; validation uses the final mixture (the data the run ends on) from step 0."""
+    """[(start_step, sources)]; validation uses [[data.validation_sources]], else the final mixture (the
+    data the run ends on), from step 0."""
+    if split == "validation" and cfg.validation_sources:
+        return [(0, cfg.validation_sources)]
     if not (cfg.sources or cfg.phases):
         raise ValueError("no training data: set [[data.sources]] or [[data.phases]]")
     if cfg.sources and cfg.phases:
@@ -237,16 +268,21 @@ class PackedDataset(IterableDataset):
         dp_world: int,
         seed: int,
         split: str = "train",
+        single_pass: bool = False,
     ):
         if split not in _SPLITS:
             raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
-        if split == "validation" and cfg.validation_fraction <= 0:
-            raise ValueError("split='validation' needs data.validation_fraction > 0 (documents held out of training)")
+        if split == "validation" and cfg.validation_fraction <= 0 and not cfg.validation_sources:
+            raise ValueError(
+                "split='validation' needs data.validation_fraction > 0 (documents held out of training) "
+                "or [[data.validation_sources]]"
+            )
         if rows_per_step % local_batch_size:
             raise ValueError(
                 f"rows_per_step ({rows_per_step}) must be a multiple of local_batch_size ({local_batch_size})"
             )
         self.cfg, self.tokenizer, self.seq_len, self.split = cfg, tokenizer, seq_len, split
+        self.single_pass = single_pass
         self.batch, self.rows_per_step = local_batch_size, rows_per_step
         self.dp_rank, self.dp_world, self.seed = dp_rank, dp_world, seed
         self.sources: dict[str, DataSource] = {}
@@ -275,11 +311,20 @@ class PackedDataset(IterableDataset):
         batch = (local // self.batch) * workers + worker
         return self.start_row + batch * self.batch + local % self.batch
 
-    def _pick(self, row: int) -> str:
+    def _pick(self, row: int, exhausted: set[str]) -> str | None:
+        """The source of ``row``; among the sources not yet exhausted (single pass), None when none is left."""
         step = row // self.rows_per_step
         phase = self.phases[bisect.bisect_right(self.starts, step) - 1]
         u = np.random.default_rng([self.seed, self.dp_rank, _SPLITS.index(self.split), row]).random()
-        return phase.keys[min(bisect.bisect_right(phase.cum_weights, u), len(phase.keys) - 1)]
+        keys, cum = phase.keys, phase.cum_weights
+        if exhausted:
+            left = [(k, w) for k, w in zip(keys, np.diff([0.0, *cum])) if k not in exhausted]
+            if not left:
+                return None
+            keys = [k for k, _ in left]
+            cum = np.cumsum([w for _, w in left]).tolist()
+            cum = [c / cum[-1] for c in cum]
+        return keys[min(bisect.bisect_right(cum, u), len(keys) - 1)]
 
     def _make_streams(self) -> None:
         worker, workers = self._worker()
@@ -287,7 +332,10 @@ class PackedDataset(IterableDataset):
             index=self.dp_rank * workers + worker,
             count=self.dp_world * workers,
             validation=self.split == "validation",
-            validation_fraction=self.cfg.validation_fraction,
+            # A dedicated validation split is read whole; the training split still skips the held-out hashes.
+            validation_fraction=0.0 if self.split == "validation" and self.cfg.validation_sources
+            else self.cfg.validation_fraction,
+            single_pass=self.single_pass,
         )
         self.streams = {k: _SourceStream(s, self.tokenizer, self.seq_len, reader) for k, s in self.sources.items()}
         if self._pending is not None:
@@ -299,9 +347,16 @@ class PackedDataset(IterableDataset):
     def __iter__(self) -> Iterator[torch.Tensor]:
         if not self.streams or self._pending is not None:
             self._make_streams()
+        exhausted: set[str] = set()
         while True:
-            key = self._pick(self._row_index(self.rows))
-            row = self.streams[key].next_row()
+            key = self._pick(self._row_index(self.rows), exhausted)
+            if key is None:
+                return
+            try:
+                row = self.streams[key].next_row()
+            except SourceExhausted:
+                exhausted.add(key)
+                continue
             self.rows += 1
             yield torch.tensor(row, dtype=torch.long)
 
@@ -322,8 +377,9 @@ class PackedDataset(IterableDataset):
 
 
 def _collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inputs and shifted labels; padding (IGNORE_INDEX, the end of a single-pass source) feeds token 0."""
     batch = torch.stack(rows)
-    return {"input_ids": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous()}
+    return {"input_ids": batch[:, :-1].clamp(min=0), "labels": batch[:, 1:].contiguous()}
 
 
 def _dataset_states(obj: Any) -> Iterator[dict]:
@@ -398,11 +454,13 @@ def build_dataloader(
     dp_world: int,
     seed: int,
     split: str = "train",
+    single_pass: bool = False,
 ) -> DataLoader:
     """Batches {"input_ids", "labels"} of shape (local_batch_size, seq_len) for one data-parallel rank.
 
     ``rows_per_step`` = local_batch_size * grad-accumulation steps: it maps rows to optimizer steps,
-    which select the data phase.
+    which select the data phase. ``single_pass``: read every source once, then stop (evaluation);
+    the last batch may have fewer rows.
     """
     dataset = PackedDataset(
         cfg_data,
@@ -414,12 +472,37 @@ def build_dataloader(
         dp_world=dp_world,
         seed=seed,
         split=split,
+        single_pass=single_pass,
     )
     return DataLoader(dataset, num_workers=cfg_data.num_workers, reshard=cfg_data.reshard)
 
 
-def _all_sources(cfg: Data) -> list[DataSource]:
-    return list({_source_key(s): s for _, sources in _phases(cfg, "train") for s in sources}.values())
+def heldout_documents(cfg: Data) -> Iterator[str]:
+    """The validation split's documents as text, each once, alternating between its sources.
+
+    The split is ``[[data.validation_sources]]`` (read whole) or, with ``validation_fraction`` > 0, the
+    documents of the final mixture whose content hash is held out of training (about 1 / fraction
+    documents read per document yielded).
+    """
+    if cfg.validation_fraction <= 0 and not cfg.validation_sources:
+        raise ValueError("the config has no validation split: set data.validation_fraction > 0 or "
+                         "[[data.validation_sources]]")
+    sources = _phases(cfg, "validation")[0][1]
+    tokenized = [s.name or s.path for s in sources if s.kind == "tokenized"]
+    if tokenized:
+        raise ValueError(f"data source(s) {tokenized} hold pre-tokenized rows, not documents: "
+                         "evaluate them with `eval loss --config`")
+    reader = _Reader(0, 1, validation=True,
+                     validation_fraction=0.0 if cfg.validation_sources else cfg.validation_fraction)
+    streams = [(s.text_field, iter(open_source(s))) for s in sources]
+    while streams:
+        for stream in list(streams):
+            field, rows = stream
+            doc = next((row[field] for row in rows if not is_empty(row[field]) and reader.keeps(row[field])), None)
+            if doc is None:
+                streams.remove(stream)
+            else:
+                yield doc
 
 
 def _check_tokenized_files(s: DataSource, seq_len: int) -> None:
@@ -436,8 +519,9 @@ def _check_tokenized_files(s: DataSource, seq_len: int) -> None:
             raise ValueError(f"{path}: pre-tokenized rows of {bad[0]} tokens, expected seq_len + 1 = {seq_len + 1}")
 
 
-def _check_source(s: DataSource, seq_len: int) -> None:
-    """Open a source and read its first document: missing files, empty data and absent fields fail here."""
+def check_source(s: DataSource, tokenizer: Tokenizer, seq_len: int) -> int:
+    """Open a source and read its first document (or row): missing files, empty data and absent fields
+    fail here. Returns that document's token count, as packed."""
     name = s.name or s.path
     if s.kind == "tokenized":
         _check_tokenized_files(s, seq_len)
@@ -450,13 +534,25 @@ def _check_source(s: DataSource, seq_len: int) -> None:
         raise ValueError(f"data source {name!r}: field {_column(s)!r} not found in {s.path} ({e})") from None
     if _column(s) not in first:
         raise ValueError(f"data source {name!r}: field {_column(s)!r} not found in {s.path}")
+    doc = first[_column(s)]
+    return len(doc) if s.kind == "tokenized" else len(encode_document(tokenizer, doc or ""))
 
 
-def check_data_config(cfg_data: Data, tokenizer: Tokenizer, seq_len: int) -> None:
-    """Fail before training, with one line, on data the run could not use."""
+def check_phase_weights(cfg_data: Data) -> None:
     for start, sources in _phases(cfg_data, "train"):
         total = sum(s.weight for s in sources)
         if not total > 0:
             raise ValueError(f"data phase at step {start}: weights must sum to a positive number, got {total}")
-    for s in _all_sources(cfg_data):
-        _check_source(s, seq_len)
+
+
+def all_sources(cfg_data: Data) -> list[DataSource]:
+    """Every distinct source the run reads: the training phases' and the validation sources."""
+    sources = [s for _, phase in _phases(cfg_data, "train") for s in phase] + list(cfg_data.validation_sources)
+    return list({_source_key(s): s for s in sources}.values())
+
+
+def check_data_config(cfg_data: Data, tokenizer: Tokenizer, seq_len: int) -> None:
+    """Fail before training, with one line, on data the run could not use."""
+    check_phase_weights(cfg_data)
+    for s in all_sources(cfg_data):
+        check_source(s, tokenizer, seq_len)

@@ -21,6 +21,7 @@ import torch
 
 from titan_recur import flops
 from titan_recur.config import ConfigError, Metrics
+from titan_recur.plots import figure_vs_r
 
 WANDB_ID_FILE = "wandb_run_id"  # in the dump folder: the W&B run a resumed run continues
 
@@ -48,14 +49,19 @@ class StepWindow:
         self.flops += step_flops
         self.losses.append(loss)
 
-    def summary(self, peak_flops: float | None) -> dict[str, float | None]:
+    def summary(self, peak_flops: float | None, steps_left: int | None = None) -> dict[str, float | None]:
+        """Window figures; with ``steps_left``, the ETA at the window's mean step time (validation and
+        checkpoint time included: they recur)."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         flops_per_sec = self.flops / elapsed
+        step_time = elapsed / len(self.losses) if self.losses else math.nan
         return {
             "loss_avg": sum(self.losses) / len(self.losses) if self.losses else math.nan,
             "tokens_per_sec": self.tokens / elapsed,
             "flops_per_sec": flops_per_sec,
             "mfu": flops.mfu(flops_per_sec, peak_flops),
+            "step_time": step_time,
+            "eta_seconds": steps_left * step_time if steps_left is not None else math.nan,
         }
 
 
@@ -120,12 +126,15 @@ class MetricsLogger:
         tensorboard: bool,
         jsonl: bool,
         peak_flops: float | None = None,
+        total_steps: int | None = None,
         wandb: Metrics | None = None,
         run_config: dict[str, Any] | None = None,
     ) -> None:
         """``wandb``: the [metrics] section when metrics.enable_wandb (``run_config`` is stored with the run)."""
         self.enabled = enabled
         self.peak_flops = peak_flops
+        self.total_steps = total_steps
+        self._chart_written = False
         self.window = StepWindow()
         self.writer = None
         self.jsonl_file = None
@@ -145,17 +154,38 @@ class MetricsLogger:
 
     def log_window(self, record: dict[str, Any], device: torch.device) -> dict[str, Any]:
         """Complete a step record with the window's figures and peak memory, log it, open a new window."""
-        record = {**record, **self.window.summary(self.peak_flops), "max_memory": max_memory_gib(device)}
+        steps_left = None if self.total_steps is None else self.total_steps - record["step"]
+        record = {**record, **self.window.summary(self.peak_flops, steps_left), "max_memory": max_memory_gib(device)}
         self.window.reset()
         mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
+        eta = "" if steps_left is None else f"  eta {format_duration(record['eta_seconds'])}"
         console = (
             f"step {record['step']:>6}  loss {record['loss']:.4f} (avg {record['loss_avg']:.4f})  "
             f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
             f"mean r {record['mean_recurrence']} (this step n={record['n']} k={record['k']})  "
-            f"tok/s {record['tokens_per_sec']:,.0f}  mfu {mfu}  mem {record['max_memory']:.2f}GiB"
+            f"tok/s {record['tokens_per_sec']:,.0f}  mfu {mfu}  mem {record['max_memory']:.2f}GiB{eta}"
         )
         self.log(record, console)
         return record
+
+    def log_validation(self, step: int, losses: dict[int, float]) -> None:
+        """Validation loss per r: scalars validation/loss_r{r}, one TensorBoard chart of all r over steps
+        (custom scalars) and, with matplotlib, a loss-vs-r figure per validation."""
+        record = {"step": step, **{f"validation.loss_r{r}": loss for r, loss in losses.items()}}
+        console = f"validation step {step:>6}  " + "  ".join(f"r={r}: {loss:.4f}" for r, loss in losses.items())
+        self.log(record, console)
+        if self.writer is None:
+            return
+        if not self._chart_written:
+            tags = [f"validation/loss_r{r}" for r in losses]
+            self.writer.add_custom_scalars({"validation": {"loss vs step, one line per r": ["Multiline", tags]}})
+            self._chart_written = True
+        try:
+            figure = figure_vs_r({"validation": losses}, "validation loss", f"step {step}")
+        except ImportError:  # matplotlib is the optional eval extra; the scalars are written regardless
+            return
+        self.writer.add_figure("validation/loss_vs_r", figure, step)
+        self.writer.flush()
 
     def log(self, record: dict[str, Any], console: str) -> None:
         if not self.enabled:
@@ -179,6 +209,14 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.close()
             self.wandb = None
+
+
+def format_duration(seconds: float) -> str:
+    """h:mm:ss (hours past a day keep counting); '?' before a step time is known."""
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = max(int(round(seconds)), 0)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 def _jsonable(record: dict[str, Any]) -> dict[str, Any]:

@@ -22,8 +22,8 @@ from titan_recur.config import AC_MODES
 from titan_recur.models.model import RecurrentLM
 
 
-def build_dp_mesh(device_type: str, world_size: int, dp_replicate: int, dp_shard: int) -> DeviceMesh:
-    """1-D mesh for FSDP, 2-D (dp_replicate, dp_shard) for HSDP; dp_shard=-1 takes the rest of the world."""
+def dp_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int) -> tuple[int, int]:
+    """(replicas, shards) of the data-parallel mesh; dp_shard=-1 takes the rest of the world."""
     if dp_shard == -1:
         if world_size % dp_replicate:
             raise ValueError(f"world size {world_size} is not divisible by parallel.dp_replicate={dp_replicate}")
@@ -33,6 +33,12 @@ def build_dp_mesh(device_type: str, world_size: int, dp_replicate: int, dp_shard
             f"parallel.dp_replicate ({dp_replicate}) x parallel.dp_shard ({dp_shard}) = "
             f"{dp_replicate * dp_shard} does not match the world size {world_size}"
         )
+    return dp_replicate, dp_shard
+
+
+def build_dp_mesh(device_type: str, world_size: int, dp_replicate: int, dp_shard: int) -> DeviceMesh:
+    """1-D mesh for FSDP, 2-D (dp_replicate, dp_shard) for HSDP; dp_shard=-1 takes the rest of the world."""
+    dp_replicate, dp_shard = dp_mesh_shape(world_size, dp_replicate, dp_shard)
     if dp_replicate == 1:
         return init_device_mesh(device_type, (dp_shard,), mesh_dim_names=("dp_shard",))
     return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))

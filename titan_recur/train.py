@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_recur import flops
+from titan_recur import flops, preflight
 from titan_recur.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -143,6 +143,7 @@ class Trainer:
             tensorboard=cfg.metrics.enable_tensorboard,
             jsonl=cfg.metrics.jsonl,
             peak_flops=flops.peak_flops(override=cfg.metrics.peak_flops),
+            total_steps=cfg.training.steps,
             wandb=cfg.metrics if cfg.metrics.enable_wandb else None,
             run_config=config_to_dict(cfg),
         )
@@ -222,6 +223,7 @@ class Trainer:
     def train(self) -> int:
         self.resume()
         self._write_run_config()
+        self._print_plan()
         steps = self.cfg.training.steps
         with torch.random.fork_rng(devices=[]):  # iter() draws a seed: keep the restored RNG for bit-exact resume
             data_iter = iter(self.dataloader)
@@ -329,10 +331,15 @@ class Trainer:
         return loss, grad_norm, lrs
 
     def _validate(self) -> None:
-        losses = self.validator.run(self.model)
-        record = {"step": self.step, **{f"validation.loss_r{r}": loss for r, loss in losses.items()}}
-        console = f"validation step {self.step:>6}  " + "  ".join(f"r={r}: {loss:.4f}" for r, loss in losses.items())
-        self.metrics.log(record, console)
+        self.metrics.log_validation(self.step, self.validator.run(self.model))
+
+    def _print_plan(self) -> None:
+        """The start-up banner: the plan `--check` prints, for this world size and device."""
+        if self.dist.rank == 0:
+            lines = preflight.plan_lines(self.cfg, self.model_args, self.dist.world_size,
+                                         device_type=self.dist.device.type)
+            for line in lines:
+                self._log(f"plan: {line}")
 
     def _step_boundary(self) -> bool:
         """Checkpoint when due or when a preemption signal arrived on any rank; True: exit with EXIT_PREEMPTED."""
@@ -377,7 +384,7 @@ class Trainer:
                 print(text, end="", flush=True)
 
     def tokenizer_folder(self) -> str | None:
-        return self.cfg.data.tokenizer or self.cfg.model.path
+        return preflight.tokenizer_folder(self.cfg)
 
     def close(self) -> None:
         self.metrics.close()
@@ -439,7 +446,10 @@ def export_model(model: RecurrentLM, args: ModelArgs, folder: Path, tokenizer_fo
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        check, argv = preflight.split_check_args(sys.argv[1:] if argv is None else argv)
         cfg = parse_args(argv)
+        if check is not None:
+            return preflight.main_check(cfg, check)
         trainer = Trainer(cfg)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

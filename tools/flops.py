@@ -16,7 +16,7 @@ from pathlib import Path
 if not __package__:  # run as a script (python tools/flops.py): this checkout's titan_recur
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from titan_recur.config import ConfigError, grad_accum_steps, load_config  # noqa: E402
+from titan_recur.config import ConfigError, Recurrence, Training, grad_accum_steps, load_config  # noqa: E402
 from titan_recur.flops import (  # noqa: E402
     AC_MODES,
     CONVENTIONS,
@@ -30,7 +30,6 @@ from titan_recur.models.args import PRESETS, ModelArgs  # noqa: E402
 from titan_recur.models.io import read_model_args, resolve_model_args  # noqa: E402
 from titan_recur.recurrence import CURRICULUM_KINDS, Curriculum, RecurrenceSchedule  # noqa: E402
 
-DEFAULT_PRESET = "tinyllama-1.1b"
 # Flags that describe the run, and the config keys that take their place under --config.
 SCHEDULE_FLAGS = {
     "preset": "model.preset",
@@ -47,21 +46,25 @@ SCHEDULE_FLAGS = {
     "micro_steps": "training.global_batch_size",
     "ac_mode": "training.ac_mode",
 }
+# Without --config, a run has the trainer's defaults (titan_recur.config), as a config file that sets nothing.
+_TRAINING, _RECURRENCE = Training(), Recurrence()
 DEFAULTS = dict(
-    steps=50000, curriculum="1-sqrt", warmup_fraction=0.75, max_mean=32, start=1, backprop_depth=8,
-    tokens_per_step=2**20, seq_len=1024, micro_steps=1, ac_mode="none",
+    steps=_TRAINING.steps, curriculum=_RECURRENCE.curriculum, warmup_fraction=_RECURRENCE.warmup_fraction,
+    max_mean=_RECURRENCE.mean_recurrence, start=_RECURRENCE.start, backprop_depth=_RECURRENCE.backprop_depth,
+    seq_len=_TRAINING.seq_len, micro_steps=1, ac_mode=_TRAINING.ac_mode,
 )
 
 EPILOG = """\
 examples:
-  # the paper's TinyLlama 4,8,4 run: 50k steps, 1-sqrt curriculum over 75% to mean 32, 2^20 tokens/step
-  python tools/flops.py --preset tinyllama-1.1b --shape 4,8,4
+  # the paper's TinyLlama 4,8,4 run: 50k steps, 1-sqrt curriculum over 75% to mean 32, 64 GPUs x 16 x 1024
+  # = 2^20 tokens/step (the trainer's defaults; --world-size sets the GPUs)
+  python tools/flops.py --preset tinyllama-1.1b --shape 4,8,4 --world-size 64
 
   # FLOPs after 20k steps of a run to mean 4, as JSON
-  python tools/flops.py --preset tinyllama-1.1b --shape 4,8,4 --max-mean 4 --at-step 20000 --json
+  python tools/flops.py --preset tinyllama-1.1b --shape 4,8,4 --world-size 64 --max-mean 4 --at-step 20000 --json
 
   # how many steps of the static TinyLlama cost as much; table every 10% of the run
-  python tools/flops.py --preset tinyllama-1.1b --shape 4,8,4 --match tinyllama-1.1b:static --table
+  python tools/flops.py --preset tinyllama-1.1b --shape 4,8,4 --world-size 64 --match tinyllama-1.1b:static --table
 
   # per-token FLOPs at n=24 no-grad + k=8 grad iterations, with activation-checkpointing recompute
   python tools/flops.py --preset llama3.2-1b --shape 4,6,4 --num-steps 24,8 --ac-mode per_iteration
@@ -72,6 +75,10 @@ examples:
 
 OTHER (--match): PRESET, PRESET:P,R,C, PRESET:static, a converted model folder (these share this
 run's schedule and batch), or a train config file (its own schedule and batch).
+
+Without --config, the schedule and batch are the trainer's defaults (python -m titan_recur.train
+--help): tokens/step = training.local_batch_size (16) x --world-size x --seq-len unless
+--tokens-per-step is given. Every figure is printed with the assumptions it used.
 
 Steps are numbered 1..S as in the trainer: FLOPs "at step S" count steps 1..S, and "full" replays
 the trainer's (n, k) draws (seeded by step and micro-step). "full" counts matmuls
@@ -99,6 +106,7 @@ class Setup:
     micro_steps: int
     ac_mode: str
     preset: str | None = None
+    curriculum: str = ""  # how the mean recurrence ramps, for the printed assumptions
 
     def run(self) -> TrainingRun:
         return TrainingRun(self.args, self.schedule, self.tokens_per_step, self.seq_len, self.micro_steps)
@@ -117,7 +125,7 @@ def build_parser() -> Parser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    model = p.add_argument_group("model (one of --preset/--model/--config; default --preset tinyllama-1.1b)")
+    model = p.add_argument_group("model (one of --preset/--model/--config, required)")
     model.add_argument("--preset", choices=sorted(PRESETS), help="source-model shape without weights")
     model.add_argument(
         "--shape", metavar="P,R,C", help="layers for --preset (default: the preset's); 'static' = all, no loop"
@@ -148,7 +156,8 @@ def build_parser() -> Parser:
     batch = p.add_argument_group("batch")
     batch.add_argument(
         "--tokens-per-step", type=int, metavar="N",
-        help=f"tokens per optimizer step (default {d['tokens_per_step']} = 2**20)",
+        help=f"tokens per optimizer step (default training.local_batch_size {_TRAINING.local_batch_size} x "
+        "--world-size x --seq-len; 64 GPUs at seq 1024: 2**20, the paper's)",
     )
     batch.add_argument(
         "--seq-len", type=int, metavar="T", help=f"sequence length, for attention FLOPs (default {d['seq_len']})"
@@ -159,8 +168,8 @@ def build_parser() -> Parser:
     )
     batch.add_argument(
         "--world-size", type=int, default=1, metavar="W",
-        help="data-parallel ranks; with --config, global_batch_size / (local_batch_size * W) micro-steps per "
-        "step (default 1)",
+        help="data-parallel ranks: tokens/step without --tokens-per-step; with --config, "
+        "global_batch_size / (local_batch_size * W) micro-steps per step (default 1)",
     )
     batch.add_argument(
         "--ac-mode", choices=AC_MODES,
@@ -204,6 +213,10 @@ def shape_label(args: ModelArgs) -> str:
     return f"{args.n_prelude},{args.n_core},{args.n_coda} ({kind})"
 
 
+def describe_curriculum(kind: str, mean: int, fraction: float, start: int) -> str:
+    return f"{kind} curriculum of the mean r from {start} to {mean} over {fraction:g} of the steps"
+
+
 def schedule_from_flags(ns: argparse.Namespace) -> RecurrenceSchedule:
     mean = Curriculum(ns.curriculum, ns.max_mean, ns.steps, ns.warmup_fraction, ns.start)
     return RecurrenceSchedule(mean, ns.backprop_depth)
@@ -214,13 +227,16 @@ def setup_from_flags(ns: argparse.Namespace) -> Setup:
         raise ValueError("--model takes its shape from the folder's config.json; drop --preset/--shape")
     if ns.model:
         args, label, preset = read_model_args(ns.model), ns.model, None
-    else:
-        preset = ns.preset or DEFAULT_PRESET
+    elif ns.preset:
+        preset = ns.preset
         args = preset_args(preset, ns.shape)
         label = f"{preset} {shape_label(args)}"
+    else:
+        raise ValueError(f"give --preset ({', '.join(sorted(PRESETS))}), --model FOLDER or --config FILE: "
+                         "the model to count")
     return Setup(
         label, args, ns.steps, schedule_from_flags(ns), ns.tokens_per_step, ns.seq_len, ns.micro_steps,
-        ns.ac_mode, preset,
+        ns.ac_mode, preset, describe_curriculum(ns.curriculum, ns.max_mean, ns.warmup_fraction, ns.start),
     )
 
 
@@ -235,9 +251,11 @@ def setup_from_config(path: str, overrides: list[str], world_size: int) -> Setup
     label = m.path or f"{m.preset} {shape_label(args)}"
     micro_steps = grad_accum_steps(t, world_size)
     sequences = micro_steps * t.local_batch_size * world_size
+    r = cfg.recurrence
     return Setup(
-        f"{label} [{path}]", args, t.steps, RecurrenceSchedule.from_config(cfg.recurrence, t.steps),
+        f"{label} [{path}]", args, t.steps, RecurrenceSchedule.from_config(r, t.steps),
         sequences * t.seq_len, t.seq_len, micro_steps, t.ac_mode, m.preset,
+        describe_curriculum(r.curriculum, r.mean_recurrence, r.warmup_fraction, r.start),
     )
 
 
@@ -255,6 +273,8 @@ def resolve_flags(ns: argparse.Namespace, extra: list[str]) -> Setup:
     for key, value in DEFAULTS.items():
         if getattr(ns, key) is None:
             setattr(ns, key, value)
+    if ns.tokens_per_step is None:
+        ns.tokens_per_step = _TRAINING.local_batch_size * ns.world_size * ns.seq_len
     return setup_from_flags(ns)
 
 
@@ -293,6 +313,7 @@ def report(ns: argparse.Namespace, setup: Setup) -> dict:
     run = setup.run()
     out = {
         "model": setup.label,
+        "assumptions": assumptions(ns, setup),
         "recurrent": setup.args.is_recurrent,
         "params": {**vars(counts), "non_embedding": counts.non_embedding, "total": counts.total},
         "steps": setup.steps,
@@ -321,6 +342,22 @@ def report(ns: argparse.Namespace, setup: Setup) -> dict:
     return out
 
 
+def assumptions(ns: argparse.Namespace, setup: Setup) -> dict:
+    """What the figures assume about the run: where the schedule and batch came from, and their values."""
+    schedule = setup.schedule
+    return {
+        "source": ns.config or "the trainer's defaults and the flags given",
+        "world_size": ns.world_size,
+        "tokens_per_step": setup.tokens_per_step,
+        "seq_len": setup.seq_len,
+        "micro_steps": setup.micro_steps,
+        "steps": setup.steps,
+        "curriculum": setup.curriculum if setup.args.is_recurrent else None,
+        "backprop_depth": schedule.backprop_depth(setup.steps) if setup.args.is_recurrent else None,
+        "ac_mode": setup.ac_mode,
+    }
+
+
 def table(setup: Setup, run: TrainingRun, other: Setup | None) -> dict:
     """Cumulative FLOPs every 10% of the run, and the steps of ``other`` costing as much."""
     other_run = other.run() if other is not None else None
@@ -340,7 +377,12 @@ def table(setup: Setup, run: TrainingRun, other: Setup | None) -> dict:
 def print_text(out: dict) -> None:
     params, bd = out["params"], out["flops_per_token_breakdown"]
     n, k = out["num_steps"]
+    a = out["assumptions"]
     print(f"model: {out['model']}")
+    recurrence = f", {a['curriculum']}, backprop depth {a['backprop_depth']}" if a["curriculum"] else ""
+    print(f"  assuming ({a['source']}): {a['steps']:,} steps of {a['tokens_per_step']:,} tokens (world size "
+          f"{a['world_size']}, {a['micro_steps']} micro-step(s)/step, seq_len {a['seq_len']}){recurrence}, "
+          f"ac_mode {a['ac_mode']}")
     print(f"  params: total {params['total']:,}, non-embedding {params['non_embedding']:,} "
           f"(prelude {params['prelude']:,}, core {params['core']:,}, coda {params['coda']:,}), "
           f"adapter {params['adapter']:,}, embedding {params['embedding']:,}, head {params['head']:,}")

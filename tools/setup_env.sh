@@ -11,3 +11,4 @@ if [ "${TITAN_RECUR_TORCH:-}" != "skip" ]; then
   .venv/bin/pip install -q torch==2.13.0
 fi
 .venv/bin/pip install -q -c constraints.txt -e '.[dev]'
+bash tools/compat_env.sh

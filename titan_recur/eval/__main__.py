@@ -1,10 +1,11 @@
-"""``python -m titan_recur.eval {loss,harness,lm_eval} ...``: validation loss vs r, lm-eval-harness tasks vs r.
+"""``python -m titan_recur.eval {loss,heldout,harness,lm_eval} ...``: validation loss vs r, lm-eval-harness tasks vs r.
 
 Examples:
   python -m titan_recur.eval loss --checkpoint outputs/debug/final_model --data assets/corpus/math.jsonl \\
       --recurrences 1,2,4,8 --batches 4 --batch-size 4 --seq-len 128 --out outputs/eval/loss
   python -m titan_recur.eval loss --checkpoint outputs/debug/checkpoints/step-40 \\
       --model-config assets/tiny_llama_recurrent --config TRAIN.toml --out outputs/eval/loss  # its validation split
+  python -m titan_recur.eval heldout --config TRAIN.toml --documents 1000 --out held_out.jsonl
   python -m titan_recur.eval harness --model_args pretrained=PATH,batch_size=16 \\
       --tasks gsm8k_cot_recur --recurrences 1,4,32 --out outputs/eval/gsm8k
   python -m titan_recur.eval lm_eval run --model titan_recur --model_args pretrained=PATH,num_steps=32 \\
@@ -24,6 +25,7 @@ from titan_recur.models.args import STATE_INITS
 from titan_recur.resources import project_folder
 
 DEFAULT_RECURRENCES = "1,2,4,8,16,32"
+DATA_BATCH_SIZE, DATA_SEQ_LEN = 8, 1024
 # The project's task configs (tasks/ of the checkout, or shipped in the wheel), always on the harness's include path.
 PROJECT_TASKS = project_folder("tasks")
 
@@ -47,16 +49,34 @@ def build_parser() -> argparse.ArgumentParser:
     loss.add_argument("--model-config", help="model folder giving the architecture of a DCP step folder")
     loss.add_argument("--tokenizer", help="folder with the tokenizer files (default: the model folder)")
     data = loss.add_mutually_exclusive_group(required=True)
-    data.add_argument("--data", help="held-out file or glob: .jsonl/.json, .parquet, else plain text")
-    data.add_argument("--config", help="train config TOML: use its validation split (data.validation_fraction > 0)")
+    data.add_argument("--data", help="held-out file or glob: .jsonl/.json, .parquet, else plain text; read once")
+    data.add_argument("--config", help="train config TOML (or a run's config.json): its validation split, with "
+                      "the in-loop validation's geometry as defaults")
     loss.add_argument("--text-field", default="text", help="jsonl/parquet field holding the text (default: text)")
     loss.add_argument("--recurrences", type=parse_ints, default=parse_ints(DEFAULT_RECURRENCES),
                       help=f"test recurrences (default {DEFAULT_RECURRENCES})")
-    loss.add_argument("--batches", type=int, default=10, help="number of batches (default 10)")
-    loss.add_argument("--batch-size", type=int, default=8, help="rows per batch (default 8)")
-    loss.add_argument("--seq-len", type=int, help="tokens per row (default: the config's training.seq_len, else 1024)")
+    loss.add_argument("--batches", type=int, help="batches per rank (default: --config's validation.steps; with "
+                      "--data every document, once)")
+    loss.add_argument("--batch-size", type=int, help="rows per batch (default: --config's training.local_batch_size, "
+                      f"else {DATA_BATCH_SIZE})")
+    loss.add_argument("--seq-len", type=int, help="tokens per row (default: --config's training.seq_len, "
+                      f"else {DATA_SEQ_LEN})")
+    loss.add_argument("--data-ranks", type=int, default=1,
+                      help="read the rows the in-loop validation reads on this many data-parallel ranks (default 1)")
     loss.add_argument("--out", required=True, type=Path, help="output folder for validation_loss.{json,png}")
     _add_model_options(loss)
+
+    heldout = commands.add_parser("heldout", help="write held-out documents as jsonl (for eval loss --data)")
+    source = heldout.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="train config TOML (or a run's config.json): its validation split")
+    source.add_argument("--data", help="any source, read whole: a file/glob, or a hub dataset id with --kind hf")
+    heldout.add_argument("--kind", default=None, choices=["text", "jsonl", "parquet", "hf"],
+                         help="format of --data (default: from the file suffix)")
+    heldout.add_argument("--hf-config", help="hub dataset config of --data")
+    heldout.add_argument("--split", default="train", help="split of --data (default train)")
+    heldout.add_argument("--text-field", default="text", help="field holding the text (default: text)")
+    heldout.add_argument("--documents", type=int, required=True, help="number of documents to write")
+    heldout.add_argument("--out", required=True, type=Path, help="jsonl file to write ({\"text\": ...} per line)")
 
     harness = commands.add_parser("harness", help="lm-eval-harness tasks at each test recurrence, one model load")
     harness.add_argument("--model-args", "--model_args", required=True,
@@ -86,29 +106,69 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def run_loss(args: argparse.Namespace) -> None:
-    from titan_recur.config import load_config
     from titan_recur.eval.loading import default_tokenizer_folder, load_checkpoint, resolve_device
     from titan_recur.eval.loss import check_recurrences
-    from titan_recur.eval.sweep import heldout_batches, loss_sweep, write_report
+    from titan_recur.eval.sweep import heldout_batches, loss_sweep, rows_settings, write_report
     from titan_recur.tokenizer import check_vocab, load_tokenizer
 
     recurrences = check_recurrences(args.recurrences)
-    seq_len = args.seq_len or (load_config(args.config).training.seq_len if args.config else 1024)
+    settings, in_loop = rows_settings(args.config, args.batches, args.batch_size, args.seq_len, args.data_ranks,
+                                      DATA_BATCH_SIZE, DATA_SEQ_LEN)
     device = resolve_device(args.device)
     model = load_checkpoint(args.checkpoint, args.model_config, device=device, dtype=args.dtype)
     tokenizer = load_tokenizer(args.tokenizer or default_tokenizer_folder(args.checkpoint, args.model_config))
     check_vocab(tokenizer, model.args.vocab_size)
     batches = heldout_batches(
-        tokenizer, seq_len=seq_len, batch_size=args.batch_size, num_batches=args.batches,
-        data=args.data, text_field=args.text_field, config=args.config,
+        tokenizer, seq_len=settings["seq_len"], batch_size=settings["batch_size"], num_batches=settings["batches"],
+        data=args.data, text_field=args.text_field, config=args.config, ranks=settings["data_ranks"],
     )
-    report = loss_sweep(model, batches, recurrences, device, args.state_init, num_batches=args.batches)
+    most = None if settings["batches"] is None else settings["batches"] * settings["data_ranks"]
+    report = loss_sweep(model, batches, recurrences, device, args.state_init, num_batches=most)
     report.update(checkpoint=str(args.checkpoint), data=args.data or f"{args.config} (validation split)",
-                  seq_len=seq_len, batch_size=args.batch_size, batches=args.batches, dtype=args.dtype)
+                  dtype=args.dtype, **settings, in_loop_validation=in_loop)
     json_path, plot_path = write_report(report, args.out, title=str(args.checkpoint))
     for r in recurrences:
         print(f"r={r:<4d} loss {report['loss'][str(r)]:.4f}")
+    print(describe_rows(report))
+    if in_loop is not None:
+        print(f"in-loop validation of {args.config}: {in_loop['batches']} batches x {in_loop['batch_size']} rows x "
+              f"{in_loop['seq_len']} tokens on each rank, r in {in_loop['recurrences']}, every "
+              f"{in_loop['interval']} steps ({'on' if in_loop['enable'] else 'off'}); the same rows with "
+              f"--data-ranks <the run's ranks>")
+    asked = None if settings["batches"] is None else settings["batches"] * settings["data_ranks"]
+    if asked is not None and report["batches_read"] < asked:
+        print(f"python -m titan_recur.eval loss: warning: the data gave {report['batches_read']} batches of the "
+              f"{asked} asked (every document read once)", file=sys.stderr)
     print(f"wrote {json_path} and {plot_path}")
+
+
+def describe_rows(report: dict) -> str:
+    """What was evaluated: the real counts, and the geometry asked for."""
+    asked = "all" if report["batches"] is None else report["batches"]
+    return (f"evaluated {report['tokens']:,} labelled tokens: {report['batches_read']} batches, {report['rows_read']} "
+            f"rows (asked: {asked} batches x {report['batch_size']} rows x {report['seq_len']} tokens per rank, "
+            f"{report['data_ranks']} rank(s))")
+
+
+def run_heldout(args: argparse.Namespace) -> None:
+    from titan_recur.config import Data, DataSource, load_config
+    from titan_recur.data import heldout_documents
+    from titan_recur.eval.sweep import data_source, write_documents
+
+    if args.documents < 1:
+        raise ValueError(f"--documents must be >= 1, got {args.documents}")
+    if args.config:
+        data, what = load_config(args.config).data, f"the validation split of {args.config}"
+    else:
+        kind = args.kind or data_source(args.data).sources[0].kind
+        source = DataSource(name=args.data, path=args.data, kind=kind, text_field=args.text_field,
+                            hf_config=args.hf_config, split=args.split)
+        data, what = Data(validation_sources=[source]), args.data
+    written = write_documents(heldout_documents(data), args.out, args.documents)
+    if written < args.documents:
+        print(f"python -m titan_recur.eval heldout: warning: {what} has {written} documents, "
+              f"{args.documents} asked", file=sys.stderr)
+    print(f"wrote {written} documents of {what} to {args.out}")
 
 
 def run_harness(args: argparse.Namespace) -> None:
@@ -117,11 +177,14 @@ def run_harness(args: argparse.Namespace) -> None:
         from lm_eval.utils import simple_parse_args_string
     except ImportError:
         raise ImportError("the harness needs lm-eval-harness: pip install -e '.[eval]'") from None
-    from titan_recur.eval.harness import check_tasks, harness_sweep, markdown_table, results_table, write_results
+    from titan_recur.eval.harness import (
+        check_task_data, check_tasks, harness_sweep, markdown_table, plot_accuracy, results_table, write_results,
+    )
     from titan_recur.eval.lm_eval_model import TitanRecurLM
 
     task_manager = TaskManager(include_path=[str(p) for p in (PROJECT_TASKS, *args.include_path)])
     tasks = check_tasks([t for t in args.tasks.split(",") if t], task_manager)  # before the (slow) model load
+    check_task_data(tasks, task_manager)  # each task's dataset, before the model load too
     try:
         lm = TitanRecurLM(**simple_parse_args_string(args.model_args))
     except TypeError as err:  # an unknown key in --model_args
@@ -131,8 +194,9 @@ def run_harness(args: argparse.Namespace) -> None:
         num_fewshot=args.num_fewshot, limit=args.limit, log_samples=args.log_samples,
     )
     table_json, table_md = write_results(results, args.out)
+    plot = plot_accuracy(results_table(results), list(results), args.out)
     print(markdown_table(results_table(results), list(results)), end="")
-    print(f"wrote {table_json} and {table_md}")
+    print(f"wrote {table_json}, {table_md} and {plot}")
 
 
 def run_lm_eval(argv: list[str]) -> None:
@@ -154,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = build_parser().parse_args(argv)
     try:
-        (run_loss if args.command == "loss" else run_harness)(args)
+        {"loss": run_loss, "heldout": run_heldout, "harness": run_harness}[args.command](args)
     except (ValueError, FileNotFoundError, ImportError, CheckpointError) as err:
         print(f"python -m titan_recur.eval {args.command}: error: {err}", file=sys.stderr)
         return 2

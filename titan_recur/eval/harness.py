@@ -13,8 +13,9 @@ from lm_eval.utils import handle_non_serializable
 
 from titan_recur.eval.lm_eval_model import TitanRecurLM
 from titan_recur.eval.loss import check_recurrences
+from titan_recur.plots import figure_vs_r, save_figure
 
-TABLE_JSON, TABLE_MD = "table.json", "table.md"
+TABLE_JSON, TABLE_MD, ACCURACY_PNG = "table.json", "table.md", "accuracy_vs_r.png"
 
 
 def check_tasks(tasks: Sequence[str], task_manager: TaskManager) -> list[str]:
@@ -26,6 +27,27 @@ def check_tasks(tasks: Sequence[str], task_manager: TaskManager) -> list[str]:
             "(list them with `lm_eval ls tasks`)"
         )
     return list(tasks)
+
+
+def check_task_data(tasks: Sequence[str], task_manager: TaskManager) -> None:
+    """Build each task, which loads its dataset, so that data that cannot be had fails before the model loads.
+
+    Offline (HF_DATASETS_OFFLINE=1, or no network) a dataset that is not in the local cache raises
+    here; docs/evaluation.md shows how to cache the tasks once. lm_eval caches what it loads, so the
+    sweep's own loads are cheap.
+    """
+    failures = []
+    for task in tasks:
+        try:
+            task_manager.load([task])
+        except Exception as err:  # datasets/hub raise many types: name the task and the cause
+            cause = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            failures.append(f"{task} ({type(err).__name__}: {cause})")
+    if failures:
+        raise ValueError(
+            f"cannot load the data of task(s) {'; '.join(failures)}; without network, cache the datasets first "
+            "(docs/evaluation.md, 'Offline')"
+        )
 
 
 def harness_sweep(
@@ -67,6 +89,17 @@ def markdown_table(rows: list[dict[str, Any]], recurrences: Sequence[int]) -> st
         values = [f"{row[str(r)]:.4f}" if str(r) in row else "" for r in recurrences]
         lines.append(f"| {row['task']} | {row['metric']} | " + " | ".join(values) + " |")
     return "\n".join(lines) + "\n"
+
+
+def plot_accuracy(rows: list[dict[str, Any]], recurrences: Sequence[int], out: str | Path) -> Path:
+    """accuracy_vs_r.png: every (task, metric) whose values are fractions in [0, 1], vs r."""
+    series = {
+        f"{row['task']} {row['metric']}": {r: row[str(r)] for r in recurrences if str(r) in row}
+        for row in rows
+        if all(0 <= row[str(r)] <= 1 for r in recurrences if str(r) in row)
+    }
+    title = "lm-eval-harness accuracy vs test recurrence"
+    return save_figure(figure_vs_r(series, "accuracy", title), Path(out) / ACCURACY_PNG)
 
 
 def write_results(results: dict[int, dict[str, Any]], out: str | Path) -> tuple[Path, Path]:

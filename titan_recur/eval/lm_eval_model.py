@@ -81,8 +81,9 @@ class TitanRecurLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        """Scored text is conditioned on BOS where the model's tokenizer adds one (as in training), else EOS."""
-        return self.tokenizer.bos_id if self.tokenizer.add_bos else self.tokenizer.eos_id
+        """What rolling windows and empty contexts are conditioned on: EOS, which precedes every document
+        in a packed training row (the document itself starts with BOS where the tokenizer adds one)."""
+        return self.tokenizer.eos_id
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
         """Ids of ``string``, starting with BOS where the tokenizer adds one, unless add_special_tokens=False."""
@@ -123,10 +124,11 @@ class TitanRecurLM(TemplateLM):
         return ordered.get_original(results)
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
-        """Log-likelihood of whole texts, in max_length windows that each predict new tokens only, after BOS/EOS."""
+        """Log-likelihood of whole texts as packed in training ([BOS] text where the tokenizer adds BOS), after EOS,
+        in max_length windows that each predict new tokens only."""
         windows, owners = [], []
         for i, request in enumerate(requests):
-            tokens = self.tok_encode(request.args[0], add_special_tokens=False)
+            tokens = self.tok_encode(request.args[0])
             for context, continuation in map(
                 utils.make_disjoint_window,
                 utils.get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, context_len=1),

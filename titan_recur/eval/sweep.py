@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from titan_recur.config import Data, DataSource, load_config
 from titan_recur.data import build_dataloader
 from titan_recur.eval.loss import mean_losses, validation_loss_sums
 from titan_recur.models.model import RecurrentLM
+from titan_recur.plots import figure_vs_r, save_figure
 from titan_recur.progress import progress
 from titan_recur.tokenizer import Tokenizer
 
@@ -28,35 +29,90 @@ def data_source(path: str, text_field: str = "text") -> Data:
     return Data(sources=[DataSource(name=Path(path).name, path=path, kind=kind, text_field=text_field)])
 
 
+def rows_settings(
+    config: str | None,
+    batches: int | None,
+    batch_size: int | None,
+    seq_len: int | None,
+    ranks: int,
+    data_batch_size: int,
+    data_seq_len: int,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The rows to evaluate (given values, else the config's in-loop validation geometry, else the --data
+    defaults), and the config's in-loop validation settings to print beside them (None without a config)."""
+    in_loop = None
+    if config is not None:
+        cfg = load_config(config)
+        v, t = cfg.validation, cfg.training
+        in_loop = {"enable": v.enable, "interval": v.interval, "batches": v.steps, "batch_size": t.local_batch_size,
+                   "seq_len": t.seq_len, "recurrences": list(v.recurrences)}
+    defaults = in_loop or {"batches": None, "batch_size": data_batch_size, "seq_len": data_seq_len}
+    settings = {
+        "batches": batches if batches is not None else defaults["batches"],
+        "batch_size": batch_size or defaults["batch_size"],
+        "seq_len": seq_len or defaults["seq_len"],
+        "data_ranks": ranks,
+    }
+    return settings, in_loop
+
+
+def write_documents(documents: Iterable[str], out: str | Path, limit: int) -> int:
+    """The first ``limit`` documents as jsonl ({"text": ...} per line), written atomically; returns the count."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    count = 0
+    try:
+        with open(tmp, "w") as f:
+            for doc in itertools.islice(documents, limit):
+                f.write(json.dumps({"text": doc}) + "\n")
+                count += 1
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.replace(out)
+    return count
+
+
 def heldout_batches(
     tokenizer: Tokenizer,
     *,
     seq_len: int,
     batch_size: int,
-    num_batches: int,
+    num_batches: int | None,
     data: str | None = None,
     text_field: str = "text",
     config: str | None = None,
+    ranks: int = 1,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """``num_batches`` packed batches: every document of ``data``, or the validation split of a train config.
+    """Packed batches of ``data`` (every document), or of the validation split of a train config.
 
-    The validation split is the documents the trainer held out (``data.validation_fraction`` > 0),
+    The data is read once: a finite source ends the batches (the last row and batch may be short)
+    instead of starting over. ``num_batches`` caps the batches per rank (None: all of them). With
+    ``ranks`` = N the rows are those of the in-loop validation on N data-parallel ranks: rank 0's
+    batches, then rank 1's, ... (each rank reads every N-th document). The validation split is the
+    documents the trainer held out (``data.validation_fraction`` > 0, or ``[[data.validation_sources]]``),
     packed as in training from the config's final data mixture.
     """
     if (data is None) == (config is None):
         raise ValueError("give the held-out data: either --data PATH or --config TRAIN_TOML (its validation split)")
-    if min(seq_len, batch_size, num_batches) < 1:
-        raise ValueError(f"seq_len, batch_size and batches must be >= 1, got {seq_len}, {batch_size}, {num_batches}")
+    if min(seq_len, batch_size, ranks, num_batches or 1) < 1:
+        raise ValueError(
+            f"seq_len, batch_size, batches and ranks must be >= 1, got {seq_len}, {batch_size}, {num_batches}, {ranks}"
+        )
     if data is not None:
         data_cfg, split, seed = data_source(data, text_field), "train", 0
     else:
         cfg = load_config(config)
         data_cfg, split, seed = cfg.data, "validation", cfg.job.seed
-    loader = build_dataloader(
-        data_cfg, tokenizer, seq_len=seq_len, local_batch_size=batch_size, rows_per_step=batch_size,
-        dp_rank=0, dp_world=1, seed=seed, split=split,
-    )
-    return itertools.islice(iter(loader), num_batches)
+    loaders = [
+        build_dataloader(
+            data_cfg, tokenizer, seq_len=seq_len, local_batch_size=batch_size, rows_per_step=batch_size,
+            dp_rank=rank, dp_world=ranks, seed=seed, split=split, single_pass=True,
+        )
+        for rank in range(ranks)
+    ]
+    return itertools.chain.from_iterable(itertools.islice(iter(loader), num_batches) for loader in loaders)
 
 
 def loss_sweep(
@@ -69,43 +125,40 @@ def loss_sweep(
 ) -> dict[str, Any]:
     """The report: loss per recurrence (token-weighted), token count, and the settings.
 
-    ``num_batches``: how many ``batches`` yields, for the progress bar.
+    ``num_batches``: the most ``batches`` yields (None: unknown), for the progress bar.
     """
     state_init = state_init or model.args.eval_state_init
-    batches = progress(batches, desc=f"loss at r={','.join(map(str, recurrences))}", unit="batch", total=num_batches)
-    sums = validation_loss_sums(model, batches, recurrences, device, state_init)
+    shown = progress(batches, desc=f"loss at r={','.join(map(str, recurrences))}", unit="batch", total=num_batches)
+    counted = _Counted(shown)
+    sums = validation_loss_sums(model, counted, recurrences, device, state_init)
     losses = mean_losses(sums)
     return {
         "recurrences": list(losses),
         "loss": {str(r): loss for r, loss in losses.items()},
         "tokens": next(iter(sums.values()))[1],
+        "batches_read": counted.batches,
+        "rows_read": counted.rows,
         "state_init": state_init,
         "effective_depth": {str(r): model.args.effective_depth(r) for r in losses},
     }
 
 
+class _Counted:
+    """Passes batches through, counting batches and rows."""
+
+    def __init__(self, batches: Iterable[dict[str, torch.Tensor]]) -> None:
+        self.source, self.batches, self.rows = batches, 0, 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for batch in self.source:
+            self.batches += 1
+            self.rows += batch["input_ids"].shape[0]
+            yield batch
+
+
 def plot_losses(losses: dict[int, float], path: Path, title: str) -> None:
     """Loss vs test recurrence on a log2 x axis."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ImportError("the loss plot needs matplotlib: pip install -e '.[eval]'") from None
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5), dpi=120)
-    rs = sorted(losses)
-    ax.plot(rs, [losses[r] for r in rs], marker="o")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(rs, [str(r) for r in rs])
-    ax.set_xlabel("test recurrence r")
-    ax.set_ylabel("validation loss")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(figure_vs_r({"loss": losses}, "validation loss", title), path)
 
 
 def write_report(report: dict[str, Any], out: str | Path, title: str) -> tuple[Path, Path]:

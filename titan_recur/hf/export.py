@@ -28,8 +28,9 @@ from titan_recur.models.io import (
     save_weights,
     write_atomically,
 )
-from titan_recur.models.model import RecurrentLM
+from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, RecurrentLM
 from titan_recur.progress import progress
+from titan_recur.recurrence import DEFAULT_SEED, DEFAULT_SIGMA
 from titan_recur.surgery import LayerPlan, source_tensor_names
 
 HF_DIR = Path(__file__).parent
@@ -41,10 +42,11 @@ INLINED_MODULES = (
     "titan_recur.models.rope",
     "titan_recur.models.blocks",
     "titan_recur.models.loss",
+    "titan_recur.recurrence",
     "titan_recur.models.model",
     "titan_recur.hf.modeling_titan_recur",
 )
-# Inference defaults, stored at the top level of the HF config (see configuration_titan_recur.py).
+# ModelArgs fields that are call defaults of an export, stored at the top level of the HF config.
 CALL_DEFAULTS = ("mean_recurrence", "state_init")
 # Weight names of a recurrent export: RecurrentLM's, under TitanRecurForCausalLM.model.
 RECURRENT_PREFIX = "model."
@@ -67,7 +69,8 @@ def standalone_modeling_source() -> str:
     """The shipped modeling file: INLINED_MODULES concatenated, their titan_recur imports removed.
 
     Fails if a module imports a titan_recur name that no earlier inlined module defines, so a new
-    dependency of the model code cannot produce a broken export.
+    dependency of the model code cannot produce a broken export. ``if TYPE_CHECKING:`` blocks that
+    only import titan_recur names (for annotations, which the header keeps unevaluated) are dropped.
     """
     defined: set[str] = set()
     parts = [_HEADER.format(modules=", ".join(INLINED_MODULES))]
@@ -76,7 +79,13 @@ def standalone_modeling_source() -> str:
         source = path.read_text()
         tree = ast.parse(source)
         drop: set[int] = set()
+        typing_only = [node for node in tree.body if _is_typing_only_titan_recur_import(node)]
+        skipped = {id(child) for node in typing_only for child in ast.walk(node)}
+        for node in typing_only:
+            drop.update(range(node.lineno, node.end_lineno + 1))
         for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
             if isinstance(node, ast.ImportFrom) and node.module == "__future__":
                 drop.update(range(node.lineno, node.end_lineno + 1))
             elif isinstance(node, (ast.Import, ast.ImportFrom)) and _imports_titan_recur(node):
@@ -97,6 +106,17 @@ def standalone_modeling_source() -> str:
     return "\n\n".join(parts)
 
 
+def _is_typing_only_titan_recur_import(node: ast.stmt) -> bool:
+    """``if TYPE_CHECKING:`` holding nothing but titan_recur imports."""
+    return (
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Name)
+        and node.test.id == "TYPE_CHECKING"
+        and not node.orelse
+        and all(isinstance(n, (ast.Import, ast.ImportFrom)) and _imports_titan_recur(n) for n in node.body)
+    )
+
+
 def _imports_titan_recur(node: ast.Import | ast.ImportFrom) -> bool:
     modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
     return any(m == "titan_recur" or m.startswith("titan_recur.") for m in modules)
@@ -114,7 +134,10 @@ def _top_level_names(tree: ast.Module) -> set[str]:
 
 
 def recurrent_hf_config(args: ModelArgs, mean_recurrence: int, state_init: str, dtype: str) -> dict[str, Any]:
-    """config.json of a recurrent export: the architecture, the call defaults, HF mirrors and auto_map."""
+    """config.json of a recurrent export: the architecture, the call defaults, HF mirrors and auto_map.
+
+    The training sampler's settings are the trainer's defaults (``[recurrence]``); see configuration_titan_recur.py.
+    """
     architecture = {k: v for k, v in args.to_dict().items() if k not in CALL_DEFAULTS}
     return {
         "architectures": ["TitanRecurForCausalLM"],
@@ -125,7 +148,12 @@ def recurrent_hf_config(args: ModelArgs, mean_recurrence: int, state_init: str, 
         },
         "titan_recur": architecture,
         "mean_recurrence": mean_recurrence,
+        "num_steps": None,
         "state_init": state_init,
+        "backprop_depth": DEFAULT_BACKPROP_DEPTH,
+        "recurrence_sigma": DEFAULT_SIGMA,
+        "recurrence_seed": DEFAULT_SEED,
+        "recurrence_mean_offset": True,
         "vocab_size": args.vocab_size,
         "hidden_size": args.dim,
         "num_attention_heads": args.n_heads,

@@ -76,6 +76,13 @@ class KVCache:
         self.slots[key] = (k, v)
         return k, v
 
+    def reorder(self, batch_index: torch.Tensor) -> None:
+        """Keep rows ``batch_index`` of every slot, in that order (beam search: each beam continues its parent's cache)."""
+        self.slots = {
+            key: (k.index_select(0, batch_index.to(k.device)), v.index_select(0, batch_index.to(v.device)))
+            for key, (k, v) in self.slots.items()
+        }
+
 
 class Attention(nn.Module):
     """GQA causal self-attention with RoPE; OLMo-2 adds RMSNorm over the full projected q and k."""

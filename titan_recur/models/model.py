@@ -7,6 +7,8 @@ transformer block) and `RecurrentCore.iteration` (one pass through the core, the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,26 +19,30 @@ from titan_recur.models.loss import chunked_cross_entropy_sum, cross_entropy_sum
 from titan_recur.models.rope import rope_cos_sin, rope_inverse_frequencies
 
 NumSteps = int | tuple[int, int] | None
+# Grad-carrying iterations of a train-mode forward given a depth r rather than (n, k): the last
+# min(r, 8) of its r iterations, the trainer's default backprop depth (docs/method.md §3).
+DEFAULT_BACKPROP_DEPTH = 8
 
 
 class CoreIteration(nn.Module):
-    """One pass through the core: s <- Core(A_s s + A_e e), with A_e e given (``injected``).
+    """One pass through the core: s <- Core(A [s; e]), given the injection of ``RecurrentCore.inject``.
 
     It owns no parameters: it applies the adapter and blocks that `RecurrentCore` owns, so their
-    names, their checkpoint keys and their FSDP unit stay the core's. It is a module so that the
-    parallelize recipe can checkpoint and compile one iteration like any block, and the generation
-    engine can run iterations one at a time.
+    names, their checkpoint keys and their FSDP unit stay the core's. It reads them from the core at
+    every call, so a module that replaces one (a LoRA around the adapter) is the one applied. It is a
+    module so that the parallelize recipe can checkpoint and compile one iteration like any block,
+    and the generation engine can run iterations one at a time.
     """
 
-    def __init__(self, adapter: nn.Linear, blocks: nn.ModuleList) -> None:
+    def __init__(self, core: RecurrentCore) -> None:
         super().__init__()
-        # A tuple is not registered as submodules (see the class docstring).
-        self._core_parts = (adapter, blocks)
+        # A tuple is not registered as a submodule (see the class docstring).
+        self._owner = (core,)
 
     def forward(self, state: torch.Tensor, injected: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        adapter, blocks = self._core_parts
-        x = F.linear(state, adapter.weight[:, : state.shape[-1]]) + injected
-        for block in blocks:
+        core = self._owner[0]
+        x = core.adapt(state, injected)
+        for block in core.blocks:
             x = block(x, ctx)
         return x
 
@@ -53,29 +59,57 @@ class RecurrentCore(nn.Module):
         self.args = args
         self.adapter = nn.Linear(2 * args.dim, args.dim, bias=False)
         self.blocks = nn.ModuleList(TransformerBlock(args, ("core", j)) for j in range(args.n_core))
-        self.iteration = CoreIteration(self.adapter, self.blocks)
+        self.iteration = CoreIteration(self)
 
     def forward(
-        self, embedded: torch.Tensor, ctx: AttentionContext, num_steps: tuple[int, int], state_init: str
+        self,
+        embedded: torch.Tensor,
+        ctx: AttentionContext,
+        num_steps: tuple[int, int],
+        state_init: str,
+        on_state: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """n iterations without grad, then k with grad (truncated backprop through depth)."""
+        """n iterations without grad, then k with grad (truncated backprop through depth).
+
+        on_state: if given, called with the state after each iteration.
+        """
         n_no_grad, n_grad = num_steps
+        record = on_state or _ignore
         injected = self.inject(embedded)
         state = self.initial_state(embedded, state_init)
         with torch.no_grad():
             for i in range(n_no_grad):
                 state = self.iteration(state, injected, ctx.at_iteration(i))
+                record(state)
         for i in range(n_no_grad, n_no_grad + n_grad):
             state = self.iteration(state, injected, ctx.at_iteration(i))
+            record(state)
         return state
 
     def inject(self, embedded: torch.Tensor) -> torch.Tensor:
-        """A_e e: the same in every iteration, so computed once per forward, with grad.
+        """What every iteration adds for e: A_e e, the same in every iteration, so computed once per forward.
 
-        A [s; e] = A_s s + A_e e; the k grad iterations still send gradients to A_e and the prelude
-        through this one product.
+        A [s; e] = A_s s + A_e e saves one d x d product per token per iteration; the k grad
+        iterations still send gradients to A_e and the prelude through this one product. The split
+        reads the adapter's weight, which nothing that wraps or hooks the adapter module would see (a
+        LoRA, an offload or quantisation hook): then e itself is returned and every iteration applies
+        the module to [s; e] (see ``adapt``).
         """
+        if not self.adapter_is_plain():
+            return embedded
         return F.linear(embedded, self.adapter.weight[:, self.args.dim :])
+
+    def adapt(self, state: torch.Tensor, injected: torch.Tensor) -> torch.Tensor:
+        """A [s; e] of one iteration, given ``inject(e)``."""
+        if not self.adapter_is_plain():
+            return self.adapter(torch.cat([state, injected], dim=-1))
+        return F.linear(state, self.adapter.weight[:, : self.args.dim]) + injected
+
+    def adapter_is_plain(self) -> bool:
+        """Whether the adapter is a bare nn.Linear that no hook or wrapper sees, so its weight may be split."""
+        adapter = self.adapter
+        hooked = adapter._forward_hooks or adapter._forward_pre_hooks or "forward" in adapter.__dict__
+        return type(adapter) is nn.Linear and not hooked
 
     def initial_state(self, embedded: torch.Tensor, state_init: str) -> torch.Tensor:
         if state_init == "zero":
@@ -126,7 +160,7 @@ class RecurrentLM(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         num_steps: NumSteps = None,
         *,
         attention_mask: torch.Tensor | None = None,
@@ -135,11 +169,15 @@ class RecurrentLM(nn.Module):
         state_init: str | None = None,
         labels: torch.Tensor | None = None,
         loss_chunk_tokens: int = 0,
+        inputs_embeds: torch.Tensor | None = None,
+        on_hidden_state: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V), or with ``labels`` the summed next-token loss (fp32 scalar).
 
         num_steps: (n, k) = n iterations without grad then k with grad (training); an int r = r
-        iterations, all without grad (evaluation); None = ``args.mean_recurrence`` without grad.
+        iterations, all without grad (evaluation) unless the model is in train mode with grad enabled,
+        where the last min(r, DEFAULT_BACKPROP_DEPTH) carry grad (same values, and every part trains);
+        None = ``args.mean_recurrence``, as an int.
         attention_mask: (B, past + T) with 1 for real tokens (left padding); positions then count
         real tokens only, so a padded row computes exactly what it computes alone.
         state_init: None = the training init in train mode, the deterministic eval init in eval mode.
@@ -147,33 +185,61 @@ class RecurrentLM(nn.Module):
         for no loss); the loss is computed here, inside the model's forward, so that a sharded head
         is gathered for it. loss_chunk_tokens > 0 computes it chunk by chunk, never holding the full
         logits (``chunked_cross_entropy_sum``).
+        inputs_embeds: (B, T, d) embeddings in place of ``input_ids`` (give exactly one).
+        on_hidden_state: if given, called with each hidden state (B, T, d) in order: the embeddings, each
+        prelude block's output, the state after each core iteration, each coda block's output and the
+        final norm's output (what the head reads), 2 + P + r + C calls. A callable, not a list, so that
+        hooks that move a module's arguments between devices (accelerate's) pass it through unchanged.
         """
-        ctx = self.attention_context(input_ids, attention_mask, position_ids, cache)
-        x = self.embed_and_prelude(input_ids, ctx)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids and inputs_embeds")
+        tokens = input_ids if inputs_embeds is None else inputs_embeds
+        ctx = self.attention_context(tokens, attention_mask, position_ids, cache)
+        x = self.embed_and_prelude(input_ids, ctx, inputs_embeds, on_hidden_state)
         if self.core is not None:
-            x = self.core(x, ctx, resolve_num_steps(num_steps, self.args), self.resolve_state_init(state_init))
-        hidden = self.norm(self.run_coda(x, ctx))
+            depth = DEFAULT_BACKPROP_DEPTH if self.training and torch.is_grad_enabled() else None
+            steps = resolve_num_steps(num_steps, self.args, backprop_depth=depth)
+            x = self.core(x, ctx, steps, self.resolve_state_init(state_init), on_hidden_state)
+        hidden = self.coda_and_norm(x, ctx, on_hidden_state)
         if cache is not None:
-            cache.length += input_ids.shape[1]
+            cache.length += tokens.shape[1]
         if labels is None:
             return self.head(hidden)
         if loss_chunk_tokens > 0:
             return chunked_cross_entropy_sum(hidden, self.head_weight(), labels, loss_chunk_tokens)
         return cross_entropy_sum(self.head(hidden), labels)
 
-    def embed_and_prelude(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def embed_and_prelude(
+        self,
+        input_ids: torch.Tensor | None,
+        ctx: AttentionContext,
+        inputs_embeds: torch.Tensor | None = None,
+        on_hidden_state: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        record = on_hidden_state or _ignore
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        record(x)
         for block in self.prelude:
             x = block(x, ctx)
+            record(x)
         return x
 
-    def run_coda(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def coda_and_norm(
+        self, x: torch.Tensor, ctx: AttentionContext, on_hidden_state: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
+        """The coda blocks and the final norm: the hidden states the head reads."""
+        record = on_hidden_state or _ignore
         for block in self.coda:
             x = block(x, ctx)
+            record(x)
+        x = self.norm(x)
+        record(x)
         return x
 
-    def coda_and_head(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        return self.head(self.norm(self.run_coda(x, ctx)))
+    def coda_and_head(
+        self, x: torch.Tensor, ctx: AttentionContext, on_hidden_state: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
+        return self.head(self.coda_and_norm(x, ctx, on_hidden_state))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of final-norm hidden states: the LM head, or the embedding matrix when tied."""
@@ -194,7 +260,9 @@ class RecurrentLM(nn.Module):
         position_ids: torch.Tensor | None,
         cache: KVCache | None,
     ) -> AttentionContext:
-        bsz, seqlen = input_ids.shape
+        """RoPE tables, mask and cache of a forward; reads only the (B, T) shape and device of ``input_ids``
+        (token ids, or embeddings)."""
+        bsz, seqlen = input_ids.shape[:2]
         past = cache.length if cache is not None else 0
         if position_ids is None:
             if attention_mask is not None:
@@ -248,12 +316,21 @@ class RecurrentLM(nn.Module):
             nn.init.trunc_normal_(self.lm_head.weight, std=std, a=-3 * std, b=3 * std)
 
 
-def resolve_num_steps(num_steps: NumSteps, args: ModelArgs) -> tuple[int, int]:
-    """Normalise num_steps to (n_no_grad, k_grad); an int is an all-no-grad evaluation depth."""
+def _ignore(hidden_state: torch.Tensor) -> None:
+    """The hidden-state callback when none is given."""
+
+
+def resolve_num_steps(num_steps: NumSteps, args: ModelArgs, backprop_depth: int | None = None) -> tuple[int, int]:
+    """Normalise num_steps to (n_no_grad, k_grad).
+
+    An int r (None: ``args.mean_recurrence``) is an all-no-grad evaluation depth, or, given a
+    ``backprop_depth`` d (a training forward), the same r iterations with the last min(r, d) carrying grad.
+    """
     if num_steps is None:
         num_steps = args.mean_recurrence
     if isinstance(num_steps, int):
-        num_steps = (num_steps, 0)
+        k = min(num_steps, backprop_depth) if backprop_depth is not None else 0
+        num_steps = (num_steps - k, k)
     n, k = (int(v) for v in num_steps)
     if n < 0 or k < 0 or n + k < 1:
         raise ValueError(f"num_steps must give at least one iteration and no negative counts, got {num_steps}")
