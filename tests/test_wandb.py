@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,19 +66,19 @@ def as_logged(line: dict) -> dict:
     return {k.replace(".", "/"): v for k, v in line.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def train(dump: Path, steps: int, env: dict) -> None:
+def train(dump: Path, steps: int) -> None:
+    """One trainer process's run, in this process (the W&B run is finished when it returns)."""
     argv = [
-        sys.executable, "-m", "titan_recur.train", "--config", DEBUG_CONFIG, "--job.dump_folder", str(dump),
+        "--config", DEBUG_CONFIG, "--job.dump_folder", str(dump),
         "--training.steps", str(steps), "--checkpoint.interval", "2", "--metrics.log_freq", "1",
         "--validation.interval", "2", "--validation.recurrences", "1,2", "--validation.steps", "1", "--checkpoint.export_final", "false",
         "--metrics.enable_wandb", "--metrics.wandb_mode", "offline", "--metrics.wandb_tags", "ci,tiny",
     ]
-    proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert main(argv) == 0
 
 
 @pytest.fixture
-def wandb_env(tmp_path: Path, monkeypatch) -> dict:
+def wandb_env(tmp_path: Path, monkeypatch) -> None:
     """No credentials and W&B's own folders in tmp: nothing can reach the network or the home folder."""
     for key in [k for k in os.environ if k.startswith("WANDB_")]:
         monkeypatch.delenv(key)
@@ -87,14 +86,13 @@ def wandb_env(tmp_path: Path, monkeypatch) -> dict:
     for key, value in dict(WANDB_CONFIG_DIR="wandb_config", WANDB_CACHE_DIR="wandb_cache",
                            WANDB_DATA_DIR="wandb_data", NETRC="netrc").items():
         monkeypatch.setenv(key, str(tmp_path / value))
-    return dict(os.environ)
 
 
 def test_offline_run_matches_metrics_jsonl_and_resume_keeps_the_run(tmp_path, wandb_env):
     dump = tmp_path / "run"
-    train(dump, steps=2, env=wandb_env)
+    train(dump, steps=2)
     run_id = (dump / WANDB_ID_FILE).read_text().strip()
-    train(dump, steps=3, env=wandb_env)  # resumes from the step-2 checkpoint
+    train(dump, steps=3)  # resumes from the step-2 checkpoint
     assert (dump / WANDB_ID_FILE).read_text().strip() == run_id
 
     runs = offline_runs(dump)
