@@ -223,6 +223,11 @@ class DataSource:
         "paragraph",
         "kind 'text' only: one document per blank-line-separated paragraph, per file, or per line.",
     )
+    shuffle_buffer: int = opt(
+        0,
+        "Documents (pre-tokenized: rows) read at a time and shuffled by a permutation seeded by job.seed, the "
+        "source, the reader and the position (exact on resume); 0 reads the source in file order.",
+    )
 
 
 @dataclass
@@ -679,6 +684,7 @@ def _validate_data(d: Data) -> None:
     for where, s in sources:
         _require(s.path, f"{where} needs a path")
         _require(s.weight > 0, f"{where} weight must be > 0, got {s.weight}")
+        _require(s.shuffle_buffer >= 0, f"{where} shuffle_buffer must be >= 0, got {s.shuffle_buffer}")
 
 
 def validate(cfg: JobConfig) -> None:
