@@ -217,6 +217,10 @@ class DataSource:
     kind: Literal["text", "jsonl", "parquet", "hf", "tokenized"] = opt("text", "Format of the source.")
     text_field: str = opt("text", "Column or key holding the text.")
     hf_config: str | None = opt(None, "Hugging Face dataset config name.")
+    revision: str | None = opt(None, "kind 'hf' only: the dataset's git revision (branch, tag or commit); none = main.")
+    data_files: list[str] = opt(
+        [], "kind 'hf' only: files (or globs) of the dataset to read, relative to it; none = the config's files."
+    )
     split: str = opt("train", "Dataset split.")
     weight: float = opt(1.0, "Relative sampling weight in the mixture.")
     sample_by: Literal["paragraph", "document", "line"] = opt(
@@ -685,6 +689,8 @@ def _validate_data(d: Data) -> None:
         _require(s.path, f"{where} needs a path")
         _require(s.weight > 0, f"{where} weight must be > 0, got {s.weight}")
         _require(s.shuffle_buffer >= 0, f"{where} shuffle_buffer must be >= 0, got {s.shuffle_buffer}")
+        _require(s.kind == "hf" or (s.revision is None and not s.data_files),
+                 f"{where} revision and data_files are for kind = 'hf' (a local {s.kind} source is its path)")
 
 
 def validate(cfg: JobConfig) -> None:

@@ -54,7 +54,10 @@ _STATE_KEY = "titan_recur_packed_dataset"
 
 def _source_key(s: DataSource) -> str:
     """Sources that read the same stream share one reader across phases (a later phase continues it)."""
-    return f"{s.kind}:{s.path}:{s.hf_config}:{s.split}:{s.text_field}:{s.sample_by}"
+    key = f"{s.kind}:{s.path}:{s.hf_config}:{s.split}:{s.text_field}:{s.sample_by}"
+    if s.revision is not None or s.data_files:  # appended only when set: older checkpoints keep their keys
+        key += f":{s.revision}:{','.join(s.data_files)}"
+    return key
 
 
 def _column(s: DataSource) -> str:
@@ -75,7 +78,8 @@ def open_source(s: DataSource) -> datasets.IterableDataset:
     datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0
     try:
         if s.kind == "hf":
-            ds = datasets.load_dataset(s.path, name=s.hf_config, split=s.split, streaming=True)
+            ds = datasets.load_dataset(s.path, name=s.hf_config, split=s.split, streaming=True,
+                                       revision=s.revision, data_files=s.data_files or None)
         else:
             kwargs = {"sample_by": s.sample_by} if s.kind == "text" else {}
             files = _source_files(s)

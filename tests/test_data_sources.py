@@ -1,4 +1,5 @@
-"""data.sources.N.shuffle_buffer: each window of documents in a seeded order, the same on resume."""
+"""Source options: shuffle_buffer (each window of documents in a seeded order, the same on resume);
+data_files and revision for hub sources."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import dataclasses
 import re
 
 import pytest
+import datasets
 import torch
 from test_data import SEQ_LEN, full_rows, make_docs, resume_config, take, tok, tok_folder, write_jsonl  # noqa: F401
 
 from titan_recur.config import ConfigError, Data, DataSource, config_from_dict, validate
-from titan_recur.data import build_dataloader
+from titan_recur.data import build_dataloader, open_source
 
 DOCS, WINDOW = 40, 8
 
@@ -64,3 +66,31 @@ def test_negative_shuffle_buffer_is_refused():
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert str(err.value) == "invalid config: [data.sources][0] shuffle_buffer must be >= 0, got -1"
+
+
+def test_hub_data_files_read_only_those_files(tmp_path, tok):
+    hub = tmp_path / "hub"
+    (hub / "extra").mkdir(parents=True)
+    write_jsonl(hub / "train.jsonl", make_docs("doc", 10))
+    write_jsonl(hub / "extra" / "more.jsonl", make_docs("MORE", 6))
+    whole = [row["text"] for row in open_source(DataSource(path=str(hub), kind="hf"))]
+    subset = [row["text"] for row in open_source(DataSource(path=str(hub), kind="hf", data_files=["extra/*.jsonl"]))]
+    assert subset == make_docs("MORE", 6) and whole == make_docs("doc", 10)  # the default: the config's split files
+
+
+def test_hub_revision_reaches_the_hub_reader(monkeypatch):
+    """The revision is datasets' own argument (a hub download cannot run in the tests)."""
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: calls.append((args, kwargs)) or
+                        datasets.IterableDataset.from_generator(lambda: iter([{"text": "x"}])))
+    open_source(DataSource(path="org/set", kind="hf", hf_config="c", revision="v1.0", data_files=["a/*.parquet"]))
+    assert calls == [(("org/set",), dict(name="c", split="train", streaming=True, revision="v1.0",
+                                          data_files=["a/*.parquet"]))]
+
+
+def test_local_sources_refuse_hub_options():
+    cfg = config_from_dict({"model": {"path": "m"}, "data": {"sources": [{"path": "a.jsonl", "kind": "jsonl",
+                                                                           "revision": "v1"}]}})
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert "revision and data_files are for kind = 'hf'" in str(err.value)
