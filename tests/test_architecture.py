@@ -17,7 +17,7 @@ LAYER = {
     "data": 3, "flops": 3, "optim": 3,
     "surgery": 4, "parallelize": 4,
     "metrics": 5, "eval": 5,
-    "validation": 6, "hf": 6, "analysis": 6, "preflight": 6,
+    "validation": 6, "hf": 6, "analysis": 6, "preflight": 6, "generate": 6, "compare": 6,
     "train": 7,
 }
 

@@ -222,7 +222,8 @@ def test_harness_sweep_one_load_table_per_r(model_dir: Path, task_manager, tmp_p
     results = harness_sweep(lm, ["titan_recur_tiny_choice"], [1, 3], task_manager, limit=8)
     rows = results_table(results)
     expected = {str(r): choice_accuracy(model_dir, r, limit=8) for r in (1, 3)}
-    assert rows == [{"task": "titan_recur_tiny_choice", "metric": "acc,none", **expected}]
+    assert rows == [{"task": "titan_recur_tiny_choice", "metric": "acc,none", **expected},
+                    {"task": "titan_recur_tiny_choice", "metric": "mean_iterations", "1": 1.0, "3": 3.0}]
     table_json, table_md = write_results(results, tmp_path)
     assert json.loads(table_json.read_text()) == rows
     assert "| titan_recur_tiny_choice | acc,none |" in table_md.read_text()

@@ -68,6 +68,39 @@ def test_chunked_loss_saves_no_logits():
     assert chunked < logits_bytes / 8
 
 
+def peak_live_bytes(fn) -> int:
+    """Peak bytes of live CPU tensors while fn runs, above those alive before it (torch.profiler's timeline)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "timeline.json"
+        prof.export_memory_timeline(str(path), device="cpu")
+        _, sizes = json.loads(path.read_text())
+    totals = [sum(row) for row in sizes]
+    return max(totals) - totals[0]
+
+
+def test_chunked_backward_holds_one_weight_gradient_and_a_few_chunks():
+    """Backward's transient memory: the weight gradient once plus one (chunk x vocab) buffer (no (vocab x dim)
+    temporary per chunk, no chunk kept alive into the next); the plain loss needs several full (tokens x vocab)."""
+    tokens, dim, vocab, chunk = 512, 64, 4096, 64
+    hidden = torch.randn(tokens, dim, requires_grad=True)
+    weight = torch.randn(vocab, dim, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    hidden.grad, weight.grad = torch.zeros_like(hidden), torch.zeros_like(weight)
+    weight_bytes, chunk_logits_bytes = vocab * dim * 4, chunk * vocab * 4
+    chunked = peak_live_bytes(lambda: chunked_cross_entropy_sum(hidden, weight, labels, chunk).backward())
+    plain = peak_live_bytes(lambda: cross_entropy_sum(hidden @ weight.T, labels).backward())
+    assert chunked <= weight_bytes + chunk_logits_bytes + 2 * hidden.numel() * 4, (chunked, weight_bytes)
+    assert plain >= 2 * tokens * vocab * 4
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_model_loss_path_equals_logits_path(tie):
     args = ModelArgs(vocab_size=97, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, n_prelude=1, n_core=2,

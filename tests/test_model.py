@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from titan_recur.models.args import ModelArgs
-from titan_recur.models.blocks import AttentionContext, KVCache, TransformerBlock
+from titan_recur.models.blocks import AttentionContext, TransformerBlock
+from titan_recur.models.cache import KVCache
 from titan_recur.models.generate import greedy_generate
 from titan_recur.models.io import WEIGHTS_NAME, load_model, save_model
 from titan_recur.models.loss import cross_entropy_loss
@@ -336,7 +337,7 @@ def test_incremental_decoding_matches_full_forward(block_type):
     prefill = 4
     with torch.no_grad():
         full = model(seq, r, state_init="zero")
-        cache = KVCache()
+        cache = KVCache.for_model(model, 2, prefill, num_steps=r)  # too small: it grows as decoding goes
         out = model(seq[:, :prefill], r, cache=cache, state_init="zero")
         torch.testing.assert_close(out, full[:, :prefill], atol=TOL, rtol=0)
         for t in range(prefill, seq.shape[1]):
@@ -344,7 +345,7 @@ def test_incremental_decoding_matches_full_forward(block_type):
             torch.testing.assert_close(out[:, 0], full[:, t], atol=TOL, rtol=0, msg=f"step {t}")
         assert cache.length == seq.shape[1]
         # one KV slot per prelude block, per (core block, iteration), per coda block
-        assert len(cache.slots) == model.args.n_prelude + model.args.n_core * r + model.args.n_coda
+        assert cache.num_layer_slots == model.args.n_prelude + model.args.n_core * r + model.args.n_coda
 
 
 # --- 5. static model ---------------------------------------------------------------------------

@@ -24,13 +24,19 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from titan_recur.config import AC_MODES
-from titan_recur.models.args import ModelArgs
+from titan_recur.config import AC_MODES, grad_accum_steps
+from titan_recur.models.args import PRESETS, ModelArgs
+from titan_recur.models.io import resolve_model_args
 from titan_recur.models.model import resolve_num_steps
 from titan_recur.recurrence import RecurrenceSchedule
+
+if TYPE_CHECKING:
+    from titan_recur.config import JobConfig
 
 CONVENTIONS = ("paper", "full")
 DEFAULT_BACKPROP_DEPTH = 8
@@ -295,6 +301,26 @@ class TrainingRun:
         if num_steps not in self._per_token:
             self._per_token[num_steps] = training_flops_per_token(self.args, num_steps, self.seq_len).total
         return self._per_token[num_steps]
+
+
+def config_training_run(cfg: JobConfig, world_size: int = 1, args: ModelArgs | None = None) -> TrainingRun:
+    """The FLOP account of a train config (or a run's saved config.json) on world_size data-parallel ranks.
+
+    The one place a config's FLOPs are derived (tools/flops.py, preflight and the comparison use it).
+    The architecture is ``args`` if given (e.g. a run's exported final_model), else the model folder,
+    else model.preset + shape (a config whose folder is not converted yet). Schedule and batch are the
+    trainer's: ``RecurrenceSchedule.from_config`` and ``grad_accum_steps``.
+    """
+    m, t = cfg.model, cfg.training
+    if args is None:
+        if m.path and m.preset and not Path(m.path).is_dir():
+            args = PRESETS[m.preset].model_args(*m.shape)  # not converted yet: FLOPs need the shape only
+        else:
+            args = resolve_model_args(m)
+    micro_steps = grad_accum_steps(t, world_size)
+    tokens_per_step = micro_steps * t.local_batch_size * world_size * t.seq_len
+    schedule = RecurrenceSchedule.from_config(cfg.recurrence, t.steps)
+    return TrainingRun(args, schedule, tokens_per_step, t.seq_len, micro_steps)
 
 
 def matching_steps(run: TrainingRun, steps: int, other: TrainingRun, convention: str) -> float:

@@ -31,7 +31,6 @@ from titan_recur.models.io import resolve_model_args
 from titan_recur.models.model import RecurrentLM
 from titan_recur.optim import split_params_for_muon
 from titan_recur.parallelize import dp_mesh_shape
-from titan_recur.recurrence import RecurrenceSchedule
 from titan_recur.tokenizer import Tokenizer, check_vocab, load_tokenizer
 
 GiB = 2**30
@@ -317,13 +316,11 @@ def plan_lines(cfg: JobConfig, args: ModelArgs, world_size: int, options: CheckO
     """The plan, one fact per line: what runs, on how many ranks, for how long, in how much memory."""
     options = options or CheckOptions(world_size=world_size)
     t, r, m = cfg.training, cfg.recurrence, cfg.model
-    accum = grad_accum_steps(t, world_size)
+    run = flops.config_training_run(cfg, world_size, args)
+    accum, tokens_per_step = run.micro_steps, run.tokens_per_step
     replicas, shards = dp_mesh_shape(world_size, cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
-    sequences = accum * t.local_batch_size * world_size
-    tokens_per_step = sequences * t.seq_len
+    sequences = tokens_per_step // t.seq_len
     counts = flops.param_counts(args)
-    schedule = RecurrenceSchedule.from_config(r, t.steps)
-    run = flops.TrainingRun(args, schedule, tokens_per_step, t.seq_len, accum)
     paper = run.cumulative_flops(t.steps, "paper")
     full, exact = full_flops_estimate(run, t.steps)
     shape = f"{args.n_prelude},{args.n_core},{args.n_coda}" + (" (recurrent)" if args.is_recurrent else " (static)")

@@ -16,18 +16,19 @@ from pathlib import Path
 if not __package__:  # run as a script (python tools/flops.py): this checkout's titan_recur
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from titan_recur.config import ConfigError, Recurrence, Training, grad_accum_steps, load_config  # noqa: E402
+from titan_recur.config import ConfigError, Recurrence, Training, load_config  # noqa: E402
 from titan_recur.flops import (  # noqa: E402
     AC_MODES,
     CONVENTIONS,
     TrainingRun,
+    config_training_run,
     eval_flops_per_token,
     paper_flops_per_token,
     param_counts,
     training_flops_per_token,
 )
 from titan_recur.models.args import PRESETS, ModelArgs  # noqa: E402
-from titan_recur.models.io import read_model_args, resolve_model_args  # noqa: E402
+from titan_recur.models.io import read_model_args  # noqa: E402
 from titan_recur.recurrence import CURRICULUM_KINDS, Curriculum, RecurrenceSchedule  # noqa: E402
 
 # Flags that describe the run, and the config keys that take their place under --config.
@@ -243,18 +244,12 @@ def setup_from_flags(ns: argparse.Namespace) -> Setup:
 def setup_from_config(path: str, overrides: list[str], world_size: int) -> Setup:
     """Shape, schedule and batch of a train config; tokens/step = global batch (sequences) * seq_len."""
     cfg = load_config(path, overrides)
-    m, t = cfg.model, cfg.training
-    if m.path and m.preset and not Path(m.path).is_dir():
-        args = PRESETS[m.preset].model_args(*m.shape)  # not converted yet: FLOPs need the shape only
-    else:
-        args = resolve_model_args(cfg.model)
-    label = m.path or f"{m.preset} {shape_label(args)}"
-    micro_steps = grad_accum_steps(t, world_size)
-    sequences = micro_steps * t.local_batch_size * world_size
+    run = config_training_run(cfg, world_size)
+    label = cfg.model.path or f"{cfg.model.preset} {shape_label(run.args)}"
     r = cfg.recurrence
     return Setup(
-        f"{label} [{path}]", args, t.steps, RecurrenceSchedule.from_config(r, t.steps),
-        sequences * t.seq_len, t.seq_len, micro_steps, t.ac_mode, m.preset,
+        f"{label} [{path}]", run.args, cfg.training.steps, run.schedule, run.tokens_per_step, run.seq_len,
+        run.micro_steps, cfg.training.ac_mode, cfg.model.preset,
         describe_curriculum(r.curriculum, r.mean_recurrence, r.warmup_fraction, r.start),
     )
 

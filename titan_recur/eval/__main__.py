@@ -8,6 +8,8 @@ Examples:
   python -m titan_recur.eval heldout --config TRAIN.toml --documents 1000 --out held_out.jsonl
   python -m titan_recur.eval harness --model_args pretrained=PATH,batch_size=16 \\
       --tasks gsm8k_cot_recur --recurrences 1,4,32 --out outputs/eval/gsm8k
+  python -m titan_recur.eval harness --model_args pretrained=PATH,kv_sharing=latest,exit_criterion=kl \\
+      --tasks gsm8k_cot_recur --recurrences 32 --exit-thresholds 1e-2,1e-3,1e-4 --out outputs/eval/gsm8k_exit
   python -m titan_recur.eval lm_eval run --model titan_recur --model_args pretrained=PATH,num_steps=32 \\
       --tasks gsm8k_cot_recur --include_path tasks       # lm_eval's own CLI, the model registered
 
@@ -35,6 +37,13 @@ def parse_ints(text: str) -> list[int]:
         return [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def parse_floats(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,17 +89,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     harness = commands.add_parser("harness", help="lm-eval-harness tasks at each test recurrence, one model load")
     harness.add_argument("--model-args", "--model_args", required=True,
-                         help="titan_recur model args, e.g. pretrained=PATH,batch_size=16,max_gen_toks=256")
+                         help="titan_recur model args, e.g. pretrained=PATH,batch_size=16,max_gen_toks=256; "
+                         "generation depth: kv_sharing=full|latest|compress-N, exit_criterion=kl|latent-diff|"
+                         "entropy-diff|argmax, exit_threshold, min_steps, check_every (docs/generation.md)")
     harness.add_argument("--tasks", required=True, help="comma-separated task names, globs or YAML files")
     harness.add_argument("--recurrences", type=parse_ints, help="test recurrences (default: num_steps of model_args, "
                          "else the model's mean_recurrence)")
+    harness.add_argument("--exit-thresholds", type=parse_floats,
+                         help="also sweep these adaptive-exit thresholds (needs exit_criterion in --model-args)")
     harness.add_argument("--include-path", "--include_path", action="append", default=[],
                          help=f"extra task folder (repeatable); {PROJECT_TASKS} is always included")
     harness.add_argument("--num-fewshot", "--num_fewshot", type=int, help="override the tasks' number of few-shot examples")
     harness.add_argument("--limit", type=float, help="examples per task (a fraction if < 1); for testing only")
     harness.add_argument("--log-samples", "--log_samples", action="store_true", help="also write per-sample outputs")
     harness.add_argument("--out", required=True, type=Path,
-                         help="output folder for results_r*.json and table.{json,md}")
+                         help="output folder for results_r*.json, table.{json,md}, compute_curve.png and "
+                         "accuracy_vs_r.png (without --exit-thresholds)")
 
     commands.add_parser("lm_eval", add_help=False,
                         help="lm_eval's own command line (all its options), with --model titan_recur registered")
@@ -178,7 +192,8 @@ def run_harness(args: argparse.Namespace) -> None:
     except ImportError:
         raise ImportError("the harness needs lm-eval-harness: pip install -e '.[eval]'") from None
     from titan_recur.eval.harness import (
-        check_task_data, check_tasks, harness_sweep, markdown_table, plot_accuracy, results_table, write_results,
+        CURVE_PNG, check_task_data, check_tasks, harness_sweep, markdown_table, plot_accuracy, results_table,
+        write_results,
     )
     from titan_recur.eval.lm_eval_model import TitanRecurLM
 
@@ -190,13 +205,15 @@ def run_harness(args: argparse.Namespace) -> None:
     except TypeError as err:  # an unknown key in --model_args
         raise ValueError(f"bad --model_args {args.model_args!r}: {err}") from None
     results = harness_sweep(
-        lm, tasks, args.recurrences or [lm.num_steps], task_manager,
+        lm, tasks, args.recurrences or [lm.num_steps], task_manager, exit_thresholds=args.exit_thresholds,
         num_fewshot=args.num_fewshot, limit=args.limit, log_samples=args.log_samples,
     )
     table_json, table_md = write_results(results, args.out)
-    plot = plot_accuracy(results_table(results), list(results), args.out)
+    figures = [args.out / CURVE_PNG]
+    if not args.exit_thresholds:  # settings are plain recurrences
+        figures.append(plot_accuracy(results_table(results), [int(s) for s in results], args.out))
     print(markdown_table(results_table(results), list(results)), end="")
-    print(f"wrote {table_json}, {table_md} and {plot}")
+    print(f"wrote {table_json}, {table_md}, " + " and ".join(map(str, figures)))
 
 
 def run_lm_eval(argv: list[str]) -> None:

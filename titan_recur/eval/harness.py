@@ -1,4 +1,6 @@
-"""lm-eval-harness sweep over test recurrences: one model load, one ``simple_evaluate`` per r, a task x r table."""
+"""lm-eval-harness sweep over test-time depth: one model load, one ``simple_evaluate`` per setting (a test
+recurrence r, and optionally an adaptive-exit threshold), a task x setting table with the mean core
+iterations per generated token, and the test-time compute curve (accuracy vs mean iterations)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,12 @@ from lm_eval.utils import handle_non_serializable
 
 from titan_recur.eval.lm_eval_model import TitanRecurLM
 from titan_recur.eval.loss import check_recurrences
-from titan_recur.plots import figure_vs_r, save_figure
+from titan_recur.plots import figure_vs_r, pyplot, save_figure
 
-TABLE_JSON, TABLE_MD, ACCURACY_PNG = "table.json", "table.md", "accuracy_vs_r.png"
+TABLE_JSON, TABLE_MD = "table.json", "table.md"
+ACCURACY_PNG, CURVE_PNG = "accuracy_vs_r.png", "compute_curve.png"
+# The table's metric name of the mean core iterations per generated token (r for tasks that only score).
+ITERATIONS = "mean_iterations"
 
 
 def check_tasks(tasks: Sequence[str], task_manager: TaskManager) -> list[str]:
@@ -27,6 +32,11 @@ def check_tasks(tasks: Sequence[str], task_manager: TaskManager) -> list[str]:
             "(list them with `lm_eval ls tasks`)"
         )
     return list(tasks)
+
+
+def setting_label(r: int, exit_threshold: float | None) -> str:
+    """A setting's key in the results and the table: "r", or "r@threshold" in a threshold sweep."""
+    return str(r) if exit_threshold is None else f"{r}@{exit_threshold:g}"
 
 
 def check_task_data(tasks: Sequence[str], task_manager: TaskManager) -> None:
@@ -55,40 +65,85 @@ def harness_sweep(
     tasks: Sequence[str],
     recurrences: Sequence[int],
     task_manager: TaskManager,
+    exit_thresholds: Sequence[float] | None = None,
     **evaluate_kwargs: Any,
-) -> dict[int, dict[str, Any]]:
-    """{r: lm_eval results} for each test recurrence, the same loaded model throughout.
+) -> dict[str, dict[str, Any]]:
+    """{setting label: lm_eval results} for each test recurrence (x each exit threshold), one loaded model.
 
-    evaluate_kwargs go to ``lm_eval.simple_evaluate`` (num_fewshot, limit, log_samples, ...); its
-    seeds are reset on every call, so each r sees the same few-shot examples.
+    Each result also holds, under "titan_recur", the setting and the mean core iterations per generated
+    token of every task. Every setting is checked before the first runs. evaluate_kwargs go to
+    ``lm_eval.simple_evaluate`` (num_fewshot, limit, log_samples, ...); its seeds are reset on every
+    call, so each setting sees the same few-shot examples.
     """
     recurrences = check_recurrences(recurrences)
     tasks = check_tasks(tasks, task_manager)
+    if exit_thresholds and lm.generation.exit_criterion is None:
+        raise ValueError("exit thresholds to sweep need exit_criterion in the model args")
+    settings = [(r, t) for r in recurrences for t in (exit_thresholds or [None])]
+    for r, t in settings:
+        _apply(lm, r, t)
     results = {}
-    for r in recurrences:
-        lm.num_steps = r
-        results[r] = simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager, **evaluate_kwargs)
+    for r, t in settings:
+        _apply(lm, r, t)
+        lm.reset_depth_stats()
+        result = simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager, **evaluate_kwargs)
+        result["titan_recur"] = {
+            "num_steps": r, "kv_sharing": lm.generation.kv_sharing, "exit_criterion": lm.generation.exit_criterion,
+            "exit_threshold": lm.exit_threshold,
+            ITERATIONS: {task: lm.mean_iterations(task) for task in result["results"]},
+        }
+        results[setting_label(r, t)] = result
     return results
 
 
-def results_table(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows {task, metric, r: value, ...}: every "metric,filter" value (stderr left out) of every task and group."""
+def _apply(lm: TitanRecurLM, r: int, exit_threshold: float | None) -> None:
+    lm.num_steps = r
+    if exit_threshold is not None:
+        lm.exit_threshold = exit_threshold
+
+
+def results_table(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows {task, metric, setting: value, ...}: every "metric,filter" value (stderr left out) of every task
+    and group, and per task the mean core iterations per generated token (metric ITERATIONS)."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
-    for r, result in results.items():
+    for setting, result in results.items():
         for task, metrics in {**result["results"], **result.get("groups", {})}.items():
             for metric, value in metrics.items():
                 if "," in metric and "_stderr" not in metric and isinstance(value, (int, float)):
-                    rows.setdefault((task, metric), {"task": task, "metric": metric})[str(r)] = value
+                    rows.setdefault((task, metric), {"task": task, "metric": metric})[str(setting)] = value
+        for task, iterations in result.get("titan_recur", {}).get(ITERATIONS, {}).items():
+            rows.setdefault((task, ITERATIONS), {"task": task, "metric": ITERATIONS})[str(setting)] = iterations
     return [rows[key] for key in sorted(rows)]
 
 
-def markdown_table(rows: list[dict[str, Any]], recurrences: Sequence[int]) -> str:
-    header = "| task | metric | " + " | ".join(f"r={r}" for r in recurrences) + " |"
-    lines = [header, "|" + "---|" * (len(recurrences) + 2)]
+def markdown_table(rows: list[dict[str, Any]], settings: Sequence[str | int]) -> str:
+    header = "| task | metric | " + " | ".join(f"r={s}" for s in settings) + " |"
+    lines = [header, "|" + "---|" * (len(settings) + 2)]
     for row in rows:
-        values = [f"{row[str(r)]:.4f}" if str(r) in row else "" for r in recurrences]
+        values = [f"{row[str(s)]:.4f}" if str(s) in row else "" for s in settings]
         lines.append(f"| {row['task']} | {row['metric']} | " + " | ".join(values) + " |")
     return "\n".join(lines) + "\n"
+
+
+def plot_compute_curve(rows: list[dict[str, Any]], settings: Sequence[str], out: str | Path) -> Path:
+    """compute_curve.png, the test-time compute curve: each task metric vs the task's mean core iterations
+    per generated token."""
+    plt = pyplot()
+    iterations = {row["task"]: row for row in rows if row["metric"] == ITERATIONS}
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for row in rows:
+        if row["metric"] == ITERATIONS or row["task"] not in iterations:
+            continue
+        points = sorted((iterations[row["task"]][s], row[s]) for s in map(str, settings) if s in row)
+        ax.plot(*zip(*points), marker="o", label=f"{row['task']} {row['metric']}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("mean core iterations per generated token")
+    ax.set_ylabel("score")
+    ax.set_title("test-time compute curve", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, Path(out) / CURVE_PNG)
 
 
 def plot_accuracy(rows: list[dict[str, Any]], recurrences: Sequence[int], out: str | Path) -> Path:
@@ -96,25 +151,27 @@ def plot_accuracy(rows: list[dict[str, Any]], recurrences: Sequence[int], out: s
     series = {
         f"{row['task']} {row['metric']}": {r: row[str(r)] for r in recurrences if str(r) in row}
         for row in rows
-        if all(0 <= row[str(r)] <= 1 for r in recurrences if str(r) in row)
+        if row["metric"] != ITERATIONS and all(0 <= row[str(r)] <= 1 for r in recurrences if str(r) in row)
     }
     title = "lm-eval-harness accuracy vs test recurrence"
     return save_figure(figure_vs_r(series, "accuracy", title), Path(out) / ACCURACY_PNG)
 
 
-def write_results(results: dict[int, dict[str, Any]], out: str | Path) -> tuple[Path, Path]:
-    """results_r{r}.json (samples, if logged, in samples_r{r}.json), table.json and table.md into ``out``."""
+def write_results(results: dict[str, dict[str, Any]], out: str | Path) -> tuple[Path, Path]:
+    """results_r{setting}.json (samples, if logged, in samples_r{setting}.json), table.json, table.md and
+    compute_curve.png into ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for r, result in results.items():
+    for setting, result in results.items():
         result = dict(result)
         samples = result.pop("samples", None)
-        _dump(result, out / f"results_r{r}.json")
+        _dump(result, out / f"results_r{setting}.json")
         if samples is not None:
-            _dump(samples, out / f"samples_r{r}.json")
+            _dump(samples, out / f"samples_r{setting}.json")
     rows = results_table(results)
     _dump(rows, out / TABLE_JSON)
     (out / TABLE_MD).write_text(markdown_table(rows, list(results)))
+    plot_compute_curve(rows, list(results), out)
     return out / TABLE_JSON, out / TABLE_MD
 
 

@@ -7,10 +7,13 @@ Registered on import (lm_eval 0.4.13 has no plugin discovery), so use it through
 Batches are exact: loglikelihood rows are right-padded (causal attention never sees the padding),
 generation rows left-padded with an attention mask and mask-derived positions, and the recurrent
 state starts deterministic (see ``ModelArgs.eval_state_init``), so batch size changes nothing but speed.
+Generation runs titan_recur's engine (docs/generation.md), with its KV sharing and per-token adaptive
+exit; batched adaptive exit gives every request what it gets alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -23,8 +26,7 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 
 from titan_recur.eval.loading import default_tokenizer_folder, load_checkpoint, resolve_device
 from titan_recur.eval.loss import check_recurrences
-from titan_recur.models.args import STATE_INITS
-from titan_recur.models.generate import greedy_generate
+from titan_recur.models.generate import WARM_START, GenerationOptions, generate, left_pad
 from titan_recur.tokenizer import check_vocab, load_tokenizer
 
 
@@ -32,9 +34,13 @@ from titan_recur.tokenizer import check_vocab, load_tokenizer
 class TitanRecurLM(TemplateLM):
     """model_args: pretrained=PATH (model folder or DCP step + model_config=FOLDER), num_steps=r (default: the
     model's mean_recurrence), batch_size, device, dtype (float32|bfloat16), max_length, max_gen_toks,
-    state_init (default: deterministic, see ModelArgs.eval_state_init), tokenizer=FOLDER (default: the model folder).
+    state_init (default: deterministic, see ModelArgs.eval_state_init; "previous" warm-starts generated
+    tokens), tokenizer=FOLDER (default: the model folder); for generation: kv_sharing (full|latest|compress-N),
+    exit_criterion (kl|latent-diff|entropy-diff|argmax), exit_threshold, min_steps, check_every, compile.
 
-    ``num_steps`` may be changed between evaluations of the same instance (the harness sweep does).
+    ``num_steps`` and ``exit_threshold`` may be changed between evaluations of the same instance (the
+    harness sweep does). ``depth_stats`` accumulates, per task, generated tokens and the core iterations
+    they ran (``reset_depth_stats`` clears it).
     """
 
     def __init__(
@@ -49,6 +55,12 @@ class TitanRecurLM(TemplateLM):
         state_init: str | None = None,
         model_config: str | None = None,
         tokenizer: str | None = None,
+        kv_sharing: str = "full",
+        exit_criterion: str | None = None,
+        exit_threshold: float | None = None,
+        min_steps: int = 1,
+        check_every: int = 1,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         if str(batch_size).startswith("auto"):
@@ -56,16 +68,21 @@ class TitanRecurLM(TemplateLM):
         self.batch_size = int(batch_size)
         if self.batch_size < 1:
             raise ValueError(f"titan_recur: batch_size must be >= 1, got {batch_size}")
-        if state_init is not None and state_init not in STATE_INITS:
-            raise ValueError(f"titan_recur: state_init must be one of {STATE_INITS}, got {state_init!r}")
         self._device = resolve_device(device)
         self.model = load_checkpoint(pretrained, model_config, device=self._device, dtype=dtype)
         self.tokenizer = load_tokenizer(tokenizer or default_tokenizer_folder(pretrained, model_config))
         check_vocab(self.tokenizer, self.model.args.vocab_size)
-        self.num_steps = self.model.args.mean_recurrence if num_steps is None else int(num_steps)
-        self.state_init = state_init or self.model.args.eval_state_init
+        # Scoring starts every position from the init; "previous" only applies to generated tokens.
+        self.state_init = self.model.args.eval_state_init if state_init in (None, WARM_START) else state_init
         self.max_length = int(max_length or self.model.args.max_seq_len)
         self.max_gen_toks = int(max_gen_toks)
+        self.generation = GenerationOptions(
+            kv_sharing=kv_sharing, exit_criterion=exit_criterion,
+            exit_threshold=None if exit_threshold is None else float(exit_threshold), min_steps=int(min_steps),
+            check_every=int(check_every), state_init=state_init, compile=bool(compile),
+        )
+        self.num_steps = self.model.args.mean_recurrence if num_steps is None else int(num_steps)
+        self.depth_stats: dict[str, list[int]] = {}
 
     @property
     def num_steps(self) -> int:
@@ -74,6 +91,33 @@ class TitanRecurLM(TemplateLM):
     @num_steps.setter
     def num_steps(self, value: int) -> None:
         self._num_steps = check_recurrences([value])[0]
+        self.generation_options(1)  # every knob checked against this depth now, not mid-evaluation
+
+    @property
+    def exit_threshold(self) -> float | None:
+        return self.generation.exit_threshold
+
+    @exit_threshold.setter
+    def exit_threshold(self, value: float | None) -> None:
+        self.generation = dataclasses.replace(self.generation, exit_threshold=value)
+        self.generation_options(1)
+
+    def generation_options(self, max_new_tokens: int) -> GenerationOptions:
+        """The engine's options at the current depth (one-line ValueError for a bad knob)."""
+        options = dataclasses.replace(self.generation, max_new_tokens=max_new_tokens, num_steps=self.num_steps,
+                                      eos_id=self.eot_token_id)
+        try:
+            return options.resolve(self.model.args)
+        except ValueError as err:
+            raise ValueError(f"titan_recur: {err}") from None
+
+    def reset_depth_stats(self) -> None:
+        self.depth_stats = {}
+
+    def mean_iterations(self, task: str) -> float:
+        """Mean core iterations per generated token of ``task`` (r where it generated nothing: scoring runs r)."""
+        tokens, iterations = self.depth_stats.get(task, (0, 0))
+        return iterations / tokens if tokens else float(self.num_steps)
 
     @property
     def eot_token_id(self) -> int:
@@ -146,7 +190,7 @@ class TitanRecurLM(TemplateLM):
         """Greedy continuations, cut at the first stop sequence (or EOS), batched by equal generation kwargs."""
         encoded = {request.args[0]: self.tok_encode(request.args[0]) for request in requests}
         ordered = Collator(
-            [request.args for request in requests],
+            [(*request.args, request.task_name) for request in requests],
             sort_fn=lambda args: (-len(encoded[args[0]]), args[0]),
             group_by="gen_kwargs",
             group_fn=lambda args: args[1],
@@ -154,14 +198,16 @@ class TitanRecurLM(TemplateLM):
         results = []
         for batch in ordered.get_batched(n=self.batch_size):
             until, max_gen_toks = self._generation_settings(batch[0][1])
-            contexts = [encoded[context][-(self.max_length - max_gen_toks) :] for context, _ in batch]
-            input_ids = _pad(contexts, self.tokenizer.pad_id or 0, left=True).to(self._device)
-            attention_mask = _pad([[1] * len(c) for c in contexts], 0, left=True).to(self._device)
-            new_tokens = greedy_generate(
-                self.model, input_ids, max_gen_toks, attention_mask=attention_mask, num_steps=self.num_steps,
-                eos_id=self.eot_token_id, state_init=self.state_init, stop=self._stop_check(until),
+            contexts = [encoded[context][-(self.max_length - max_gen_toks) :] for context, _, _ in batch]
+            input_ids, attention_mask = left_pad(contexts, self.tokenizer.pad_id or 0)
+            out = generate(
+                self.model, input_ids.to(self._device), self.generation_options(max_gen_toks),
+                attention_mask=attention_mask.to(self._device), stop=self._stop_check(until),
             )
-            for (context, gen_kwargs), tokens in zip(batch, new_tokens.tolist()):
+            rows = zip(batch, out.tokens.tolist(), out.steps.tolist(), out.lengths.tolist())
+            for (context, gen_kwargs, task), tokens, steps, length in rows:
+                stats = self.depth_stats.setdefault(task, [0, 0])
+                stats[0], stats[1] = stats[0] + length, stats[1] + sum(steps[:length])
                 if self.eot_token_id in tokens:
                     tokens = tokens[: tokens.index(self.eot_token_id)]
                 text = postprocess_generated_text(self.tok_decode(tokens), until, None)

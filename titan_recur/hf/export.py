@@ -41,9 +41,11 @@ INLINED_MODULES = (
     "titan_recur.models.args",
     "titan_recur.models.rope",
     "titan_recur.models.blocks",
+    "titan_recur.models.cache",
     "titan_recur.models.loss",
     "titan_recur.recurrence",
     "titan_recur.models.model",
+    "titan_recur.models.generate",
     "titan_recur.hf.modeling_titan_recur",
 )
 # ModelArgs fields that are call defaults of an export, stored at the top level of the HF config.

@@ -51,37 +51,13 @@ class AttentionContext:
     sin: torch.Tensor
     # Boolean (B, 1, T, S) mask, True = attend; None means plain causal attention without a cache.
     mask: torch.Tensor | None = None
+    # titan_recur.models.cache.KVCache (named as a string: the cache module builds on this one).
     cache: "KVCache | None" = None
     iteration: int = 0
 
     def at_iteration(self, iteration: int) -> "AttentionContext":
         """The context of core iteration ``iteration`` (itself when no cache needs to know it)."""
         return self if self.cache is None else dataclasses.replace(self, iteration=iteration)
-
-
-class KVCache:
-    """Keys/values per attention slot; the recurrent core has one slot per (core block, iteration)."""
-
-    def __init__(self) -> None:
-        self.slots: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.length = 0
-
-    def update(
-        self, slot: BlockSlot, iteration: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (*slot, iteration if slot[0] == "core" else 0)
-        if key in self.slots:
-            past_k, past_v = self.slots[key]
-            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        self.slots[key] = (k, v)
-        return k, v
-
-    def reorder(self, batch_index: torch.Tensor) -> None:
-        """Keep rows ``batch_index`` of every slot, in that order (beam search: each beam continues its parent's cache)."""
-        self.slots = {
-            key: (k.index_select(0, batch_index.to(k.device)), v.index_select(0, batch_index.to(v.device)))
-            for key, (k, v) in self.slots.items()
-        }
 
 
 class Attention(nn.Module):

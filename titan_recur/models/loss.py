@@ -61,19 +61,36 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for rows in _chunks(hidden.shape[0], ctx.chunk):
-            h = hidden[rows].to(ctx.compute_dtype)
-            # d(sum of CE)/d(logits) = softmax - onehot(label) on labelled rows, 0 on ignored ones.
-            grad_logits = torch.softmax(F.linear(h, w).float(), dim=-1)
-            y = labels[rows]
-            valid = y != IGNORE_INDEX
-            grad_logits[valid, y[valid]] -= 1
-            grad_logits[~valid] = 0
-            grad_logits = (grad_logits * grad_total).to(ctx.compute_dtype)
-            if grad_hidden is not None:
-                grad_hidden[rows] = grad_logits @ w
-            grad_weight += (grad_logits.T @ h).float()
+            _backward_chunk(hidden[rows].to(ctx.compute_dtype), w, labels[rows], grad_total, rows, grad_hidden, grad_weight)
         grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_weight, None, None
+
+
+def _backward_chunk(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    labels: torch.Tensor,
+    grad_total: torch.Tensor,
+    rows: slice,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor,
+) -> None:
+    """One chunk's gradients, written in place. A function so that its buffers are freed before the next chunk's
+    are allocated (a loop body would keep one chunk's logits alive into the next)."""
+    # d(sum of CE)/d(logits) = softmax - onehot(label) on labelled rows, 0 on ignored ones.
+    grad_logits = F.linear(h, w).float()
+    grad_logits = grad_logits.sub_(grad_logits.amax(dim=-1, keepdim=True)).exp_()  # softmax in place: one buffer
+    grad_logits = grad_logits.div_(grad_logits.sum(dim=-1, keepdim=True))
+    valid = labels != IGNORE_INDEX
+    grad_logits[valid, labels[valid]] -= 1
+    grad_logits[~valid] = 0
+    grad_logits = grad_logits.mul_(grad_total).to(h.dtype)
+    if grad_hidden is not None:
+        grad_hidden[rows] = grad_logits @ w
+    if grad_logits.dtype == grad_weight.dtype:
+        grad_weight.addmm_(grad_logits.T, h)  # no (vocab x dim) temporary
+    else:
+        grad_weight.add_(grad_logits.T @ h)  # low-precision product accumulated in fp32, no cast copy
 
 
 def _chunks(total: int, size: int) -> list[slice]:

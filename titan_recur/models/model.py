@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_recur.models.args import ModelArgs
-from titan_recur.models.blocks import AttentionContext, KVCache, RMSNorm, TransformerBlock
+from titan_recur.models.blocks import AttentionContext, RMSNorm, TransformerBlock
+from titan_recur.models.cache import KVCache
 from titan_recur.models.loss import chunked_cross_entropy_sum, cross_entropy_sum
 from titan_recur.models.rope import rope_cos_sin, rope_inverse_frequencies
 
@@ -271,8 +272,9 @@ class RecurrentLM(nn.Module):
                 position_ids = torch.arange(past, past + seqlen, device=input_ids.device).expand(bsz, -1)
         cos, sin = rope_cos_sin(position_ids, self.rope_inv_freq(input_ids.device), self.embed_tokens.weight.dtype)
         mask = None
-        if attention_mask is not None or past > 0:
-            mask = build_attention_mask(attention_mask, bsz, seqlen, past, input_ids.device)
+        if attention_mask is not None or cache is not None:
+            key_length = cache.begin(seqlen) if cache is not None else past + seqlen
+            mask = build_attention_mask(attention_mask, bsz, seqlen, past, input_ids.device, key_length)
         return AttentionContext(cos=cos, sin=sin, mask=mask, cache=cache)
 
     def rope_inv_freq(self, device: torch.device) -> torch.Tensor:
@@ -338,16 +340,24 @@ def resolve_num_steps(num_steps: NumSteps, args: ModelArgs, backprop_depth: int 
 
 
 def build_attention_mask(
-    attention_mask: torch.Tensor | None, bsz: int, seqlen: int, past: int, device: torch.device
+    attention_mask: torch.Tensor | None,
+    bsz: int,
+    seqlen: int,
+    past: int,
+    device: torch.device,
+    key_length: int | None = None,
 ) -> torch.Tensor:
-    """Boolean (B, 1, T, past + T): causal, padding keys hidden, each query always sees itself.
+    """Boolean (B, 1, T, key_length): causal, padding keys hidden, each query always sees itself.
 
-    Letting a padding query see itself keeps its softmax finite; no real token ever attends to it.
+    key_length (default past + T) may exceed past + T (a preallocated cache's buffer): the causal
+    condition hides the columns not yet written. Letting a padding query see itself keeps its softmax
+    finite; no real token ever attends to it.
     """
-    total = past + seqlen
-    query_pos = torch.arange(past, total, device=device)[:, None]
+    total = past + seqlen if key_length is None else key_length
+    query_pos = torch.arange(past, past + seqlen, device=device)[:, None]
     key_pos = torch.arange(total, device=device)[None, :]
     mask = (key_pos <= query_pos).expand(bsz, 1, seqlen, total)
     if attention_mask is not None:
-        mask = mask & attention_mask.bool()[:, None, None, :total]
+        keys = attention_mask.bool()[:, :total]
+        mask = mask & F.pad(keys, (0, total - keys.shape[1]))[:, None, None, :]
     return mask | (key_pos == query_pos)

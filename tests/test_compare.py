@@ -1,0 +1,208 @@
+"""tools/compare.py and tools/reproduce_mini.sh: the quick miniature run once, its two real 2-rank runs
+(recurrent and static) checked against tools/flops.py, the paper's formula and direct evaluation."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_recur.compare import EvalSettings, compare, read_run
+from titan_recur.eval import mean_losses, validation_loss_sums
+from titan_recur.eval.sweep import heldout_batches
+from titan_recur.models.generate import greedy_generate
+from titan_recur.models.io import load_model
+from titan_recur.tokenizer import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = REPO / "assets" / "depth_llama"
+QUICK_RECURRENCES = ["1", "2", "4"]  # tools/reproduce_mini.sh --quick
+TASKS = ("depth_chain_validation", "depth_chain_test")
+METRIC = "exact_match,flexible-extract"
+
+
+def load_tool(name: str):
+    """A tools/ script imported in-process (cheaper than a subprocess)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def mini(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """bash tools/reproduce_mini.sh --quick: every stage, both arms trained on 2 ranks, the comparison written."""
+    out = tmp_path_factory.mktemp("mini") / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(["bash", "tools/reproduce_mini.sh", "--quick", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(mini: Path) -> dict:
+    return json.loads((mini / "compare" / "compare.json").read_text())
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def test_pipeline_stages_and_matched_steps(mini: Path, report: dict) -> None:
+    with (mini / "timings.tsv").open() as f:
+        stages = [row["stage"] for row in csv.DictReader(f, delimiter="\t")]
+    assert stages == ["task", "convert_recurrent", "convert_static", "train_recurrent", "match", "train_static",
+                      "compare", "total"]
+    recurrent, static = report["runs"]
+    assert (recurrent["recurrent"], static["recurrent"]) == (True, False)
+    assert recurrent["world_size"] == static["world_size"] == 2
+    matched = json.loads((mini / "flops_match.json").read_text())["matched_steps"]
+    assert static["steps"] == round(matched["paper"]) and matched["full"] > 0
+    assert [p["step"] for p in recurrent["points"]] == [3, 6]  # every checkpoint, the last one the final model
+    assert list(recurrent["points"][-1]["results"]) == QUICK_RECURRENCES
+    assert list(static["points"][-1]["results"]) == ["1"]  # r changes nothing for a static model
+    for run in report["runs"]:
+        for point in run["points"]:
+            for entry in point["results"].values():
+                assert set(entry["tasks"]) == set(TASKS) and all(0 <= entry["tasks"][t][METRIC] <= 1 for t in TASKS)
+
+
+def test_flops_equal_tools_flops_and_the_paper_formula(mini: Path, report: dict,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """Every evaluated step of both runs: the report's FLOPs are what tools/flops.py prints for the run's config."""
+    flops_tool = load_tool("flops")
+    for run in report["runs"]:
+        config = Path(run["folder"]) / "config.json"
+        for point in run["points"]:
+            flops_tool.main(["--config", str(config), "--world-size", "2", "--at-step", str(point["step"]), "--json"])
+            expected = json.loads(capsys.readouterr().out)
+            assert point["flops"] == {"paper": expected["paper_flops"], "full": expected["full_flops"]}
+        assert run["flops"] == run["points"][-1]["flops"] and run["points"][-1]["step"] == run["steps"]
+    # Independently of both: a static run costs 6 x tokens x non-embedding parameters (the HF model's layers + norm).
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(SOURCE)
+    non_embedding = sum(p.numel() for p in hf.model.layers.parameters()) + hf.model.norm.weight.numel()
+    static = report["runs"][1]
+    assert static["tokens_per_step"] == 16 * 128
+    assert static["flops"]["paper"] == pytest.approx(6 * static["steps"] * 16 * 128 * non_embedding, rel=1e-12)
+    assert all(p["flops"]["full"] > p["flops"]["paper"] > 0 for run in report["runs"] for p in run["points"])
+
+
+def direct_exact_match(model_dir: Path, rows: list[dict], r: int) -> float:
+    """Greedy decoding one prompt at a time; the last number before a stop string vs the answer."""
+    model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+    hits = 0
+    for row in rows:
+        ids = torch.tensor([tokenizer.encode(row["question"], bos=True, eos=False)])
+        tokens = greedy_generate(model, ids, 4, num_steps=r, eos_id=tokenizer.eos_id)[0].tolist()
+        text = tokenizer.decode(tokens[: tokens.index(tokenizer.eos_id)] if tokenizer.eos_id in tokens else tokens)
+        numbers = re.findall(r"-?[0-9]+", re.split("\n|Question:", text)[0])
+        hits += bool(numbers) and numbers[-1] == row["answer"]
+    return hits / len(rows)
+
+
+def test_scores_equal_direct_evaluation(mini: Path, report: dict) -> None:
+    """The final models' harness exact match and loss at each r, recomputed without the harness or the tool."""
+    task = mini / "task"
+    tokenizer = load_tokenizer(mini / "runs" / "recurrent" / "final_model")
+    batches = list(heldout_batches(tokenizer, seq_len=128, batch_size=8, num_batches=2,
+                                   data=str(task / "validation.jsonl")))
+    for run in report["runs"]:
+        model_dir = Path(run["folder"]) / "final_model"
+        for r, entry in run["points"][-1]["results"].items():
+            sums = validation_loss_sums(load_model(model_dir), batches, [int(r)], "cpu")
+            assert entry["loss"] == pytest.approx(mean_losses(sums)[int(r)], rel=1e-6)
+            for name in TASKS:
+                rows = [json.loads(line) for line in (task / f"{name.split('_')[-1]}.jsonl").read_text().splitlines()]
+                assert entry["tasks"][name][METRIC] == pytest.approx(direct_exact_match(model_dir, rows, int(r)))
+
+
+def test_report_files(mini: Path, report: dict) -> None:
+    out = mini / "compare"
+    md = (out / "compare.md").read_text()
+    assert "## held-out loss" in md and f"## depth_chain_test {METRIC}" in md
+    assert md.count("| recurrent |") == 3 * 2  # 3 quantities x 2 evaluated recurrent models
+    assert md.count("(static: same at every r)") == 3 * len(report["runs"][1]["points"])
+    for name in ("loss", *TASKS):
+        for kind in ("vs_r", "vs_flops"):
+            assert (out / f"{name}_{kind}.png").stat().st_size > 5000
+
+
+def test_world_size_is_checked(mini: Path, tmp_path: Path) -> None:
+    runs = mini / "runs"
+    with pytest.raises(ValueError, match="written by 2 rank"):
+        read_run(runs / "static", world_size=1)
+    # Without checkpoints: a batch that does not split, or logged tokens that give a wrong world size away.
+    for name in ("recurrent", "static"):
+        shutil.copytree(runs / name, tmp_path / name, ignore=shutil.ignore_patterns("checkpoints"))
+    assert read_run(tmp_path / "recurrent").world_size == 1  # no checkpoint: 1 unless given; same tokens/step
+    with pytest.raises(ValueError, match="must be a multiple"):  # 8 sequences x 4 ranks > the global batch of 16
+        read_run(tmp_path / "recurrent", world_size=4)
+    config = json.loads((tmp_path / "static" / "config.json").read_text())
+    config["training"]["global_batch_size"] = None  # then the batch is 8 x ranks: 1 rank halves the logged tokens
+    (tmp_path / "static" / "config.json").write_text(json.dumps(config))
+    assert read_run(tmp_path / "static", world_size=2).flops.tokens_per_step == 16 * 128
+    with pytest.raises(ValueError, match="pass the run's --world-size"):
+        read_run(tmp_path / "static", world_size=1)
+
+
+def test_in_process_loss_only_with_progress(mini: Path) -> None:
+    """compare() without tasks: the loss alone, one progress tick per (model, r)."""
+    task = mini / "task"
+    settings = EvalSettings(recurrences=[1, 8], data=str(task / "validation.jsonl"), loss_batches=1,
+                            loss_batch_size=2, seq_len=32, device="cpu")
+    calls = []
+    result = compare([read_run(mini / "runs" / "recurrent"), read_run(mini / "runs" / "static")], settings,
+                     progress=lambda total: lambda: calls.append(total))
+    assert calls == [2 + 1] * 3  # final recurrent model x 2 r + one static evaluation
+    recurrent, static = result["runs"]
+    assert list(recurrent["points"][0]["results"]) == ["1", "8"] and list(static["points"][0]["results"]) == ["1"]
+    assert "tasks" not in recurrent["points"][0]["results"]["8"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["/nonexistent", "--data", "{data}"], ["not a training run"]),
+    (["{static}"], ["nothing to measure"]),
+    (["{static}", "--task", "/nonexistent/task.yaml"], ["no such task file"]),
+    (["{static}", "--data", "/nonexistent.jsonl"], ["--data"]),
+    (["{static}", "--recurrences", "0,2", "--data", "{data}"], ["--recurrences"]),
+    (["{static}", "{static}", "--labels", "a", "--data", "{data}"], ["--labels"]),
+    (["{static}", "--world-size", "1", "--data", "{data}"], ["written by 2 rank"]),
+])
+def test_cli_errors_are_one_line(mini, tmp_path, capsys, argv: list[str], words: list[str]) -> None:
+    tool = load_tool("compare")
+    data = str(mini / "task" / "validation.jsonl")
+    argv = [a.replace("{static}", str(mini / "runs" / "static")).replace("{data}", data) for a in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        tool.main([*argv, "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("compare.py: error:"), lines
+    assert all(w in lines[0] for w in words), lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_prints_the_table(mini, tmp_path, capsys) -> None:
+    tool = load_tool("compare")
+    out = tmp_path / "out"
+    assert tool.main([str(mini / "runs" / "recurrent"), str(mini / "runs" / "static"), "--labels", "rec,stat",
+                      "--data", str(mini / "task" / "validation.jsonl"), "--recurrences", "1,4",
+                      "--loss-batches", "1", "--loss-batch-size", "2", "--seq-len", "32", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "## held-out loss" in printed and "| rec |" in printed and "wrote" in printed
+    result = json.loads((out / "compare.json").read_text())
+    assert [run["label"] for run in result["runs"]] == ["rec", "stat"]

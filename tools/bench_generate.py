@@ -1,0 +1,272 @@
+"""Benchmark the generation engine (docs/generation.md): decoding speed, and the quality of cheaper depth.
+
+speed: for each batch size and recurrence r, greedy decoding of --new-tokens after a --prompt-len
+prompt on a random model (default (P,R,C) = (1,2,1), d 256, 4 heads (2 KV), FFN 768, vocab 512,
+fp32), by
+- ``cat``: the decoder before the engine (kept here only, for comparison): K/V per (block, iteration)
+  grown with ``torch.cat`` at every token, the attention mask grown the same way;
+- ``full``, ``latest``: the engine with its preallocated cache; ``--compile`` adds ``full+compile`` and
+  ``latest+compile`` (decoded tokens' core iterations compiled, static cache shapes).
+tokens/s counts new tokens of the whole batch (prompt included in the time) per second of wall time
+and per CPU second of this process (the figure to trust on a loaded CPU machine; on a GPU use wall).
+Each configuration is warmed up on the same shapes (stopping after 4 tokens), then timed.
+
+memory: the KV-cache bytes the engine allocates (KVCache.planned_bytes, no model built) for a source
+preset's retrofit, per kv_sharing mode and r.
+
+quality: teacher-forced decoding of held-out rows through the cache (prompt --prompt-len tokens, then
+--new-tokens given tokens fed back one at a time): loss, agreement of each position's greedy token
+with "full" at r, and mean core iterations per decoded token, for full at lower r, "latest",
+"compress-2" and adaptive exit at each --thresholds.
+
+    OMP_NUM_THREADS=1 python tools/bench_generate.py speed
+    python tools/bench_generate.py speed --device cuda --dtype bfloat16 --dim 2048 --heads 32 --kv-heads 8 \\
+        --ffn 8192 --vocab 128256 --shape 4,6,4 --batch-sizes 1,8,32 --prompt-len 512 --compile
+    python tools/bench_generate.py memory --preset llama3.2-1b --shape 4,6,4 --tokens 2048
+    OMP_NUM_THREADS=1 python tools/bench_generate.py quality --checkpoint outputs/gen_quality/final_model \\
+        --config train_configs/debug_model.toml --num-steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from titan_recur import ModelArgs, RecurrentLM  # noqa: E402
+from titan_recur.models.generate import GenerationOptions, generate  # noqa: E402
+
+
+class ConcatKVCache:
+    """The cache before the engine: one tensor pair per (block, iteration), grown by torch.cat per token."""
+
+    def __init__(self) -> None:
+        self.slots: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.length = 0
+
+    def begin(self, seqlen: int) -> int:
+        return self.length + seqlen
+
+    def update(self, slot, iteration, k, v):
+        key = (*slot, iteration if slot[0] == "core" else 0)
+        if key in self.slots:
+            past_k, past_v = self.slots[key]
+            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        self.slots[key] = (k, v)
+        return k, v
+
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for pair in self.slots.values() for t in pair)
+
+
+@torch.no_grad()
+def concat_generate(model: RecurrentLM, input_ids: torch.Tensor, new_tokens: int, num_steps: int) -> int:
+    """The decoder before the engine (model.forward with a growing cache and mask); returns the cache bytes."""
+    attention_mask = torch.ones_like(input_ids)
+    cache = ConcatKVCache()
+    step_input = input_ids
+    for _ in range(new_tokens):
+        logits = model(step_input, num_steps, attention_mask=attention_mask, cache=cache, state_init="zero")
+        step_input = logits[:, -1].argmax(dim=-1)[:, None]
+        attention_mask = torch.cat([attention_mask, torch.ones_like(step_input)], dim=1)
+    return cache.nbytes()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    speed = commands.add_parser("speed", help="tokens/s of the engine vs the concatenating cache")
+    speed.add_argument("--device", default="cpu")
+    speed.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    speed.add_argument("--dim", type=int, default=256)
+    speed.add_argument("--heads", type=int, default=4)
+    speed.add_argument("--kv-heads", type=int, default=2)
+    speed.add_argument("--ffn", type=int, default=768)
+    speed.add_argument("--vocab", type=int, default=512)
+    speed.add_argument("--shape", default="1,2,1", help="P,R,C")
+    speed.add_argument("--batch-sizes", default="1,8")
+    speed.add_argument("--recurrences", default="1,4,32")
+    speed.add_argument("--prompt-len", type=int, default=32)
+    speed.add_argument("--new-tokens", type=int, default=256)
+    speed.add_argument("--engines", default="cat,full,latest", help="subset of cat,full,latest")
+    speed.add_argument("--compile", action="store_true", help="also time the engine with compiled core iterations")
+
+    memory = commands.add_parser("memory", help="KV-cache bytes of a source preset's retrofit per mode and r")
+    memory.add_argument("--preset", default="llama3.2-1b", help="source preset (titan_recur.models.args.PRESETS)")
+    memory.add_argument("--shape", default="4,6,4", help="P,R,C")
+    memory.add_argument("--recurrences", default="1,4,32")
+    memory.add_argument("--tokens", type=int, default=2048, help="cached tokens per sequence")
+    memory.add_argument("--kv-sharing-modes", default="full,compress-4,latest")
+
+    quality = commands.add_parser("quality", help="loss and token agreement of cheaper depth vs full")
+    quality.add_argument("--checkpoint", required=True, help="model folder")
+    source = quality.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="train config TOML: its validation split")
+    source.add_argument("--data", help="held-out file (.jsonl/.parquet/text)")
+    quality.add_argument("--num-steps", type=int, default=8, help="r of the reference and max_steps of exits")
+    quality.add_argument("--lower-steps", default="1,2,4", help="full at these r too (the fixed-depth baseline)")
+    quality.add_argument("--criterion", default="kl")
+    quality.add_argument("--thresholds", default="1e-2,1e-3,1e-4")
+    quality.add_argument("--min-steps", type=int, default=1)
+    quality.add_argument("--kv-sharing-modes", default="latest,compress-2")
+    quality.add_argument("--prompt-len", type=int, default=32)
+    quality.add_argument("--new-tokens", type=int, default=96)
+    quality.add_argument("--batches", type=int, default=4)
+    quality.add_argument("--batch-size", type=int, default=8)
+    return parser.parse_args(argv)
+
+
+# --- speed --------------------------------------------------------------------------------------
+
+
+def build_model(args: argparse.Namespace) -> RecurrentLM:
+    prelude, core, coda = (int(v) for v in args.shape.split(","))
+    model_args = ModelArgs(
+        vocab_size=args.vocab, dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads,
+        head_dim=args.dim // args.heads, ffn_dim=args.ffn, n_prelude=prelude, n_core=core, n_coda=coda,
+        adapter_init="random", state_init="zero", max_seq_len=args.prompt_len + args.new_tokens,
+    )
+    torch.manual_seed(0)
+    model = RecurrentLM(model_args)
+    model.init_weights()
+    return model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def engine_run(model: RecurrentLM, input_ids: torch.Tensor, r: int, kv_sharing: str, compile: bool):
+    def run(new_tokens: int, stop_after: int) -> int:
+        options = GenerationOptions(max_new_tokens=new_tokens, num_steps=r, kv_sharing=kv_sharing, compile=compile)
+        stop = lambda tokens: torch.full((tokens.shape[0],), tokens.shape[1] >= stop_after)  # noqa: E731
+        return generate(model, input_ids, options, stop=stop).kv_cache_bytes
+
+    return run
+
+
+def time_run(run, new_tokens: int, device: str) -> tuple[float, float, int]:
+    """(wall s, CPU s, cache bytes) of one run, after a warm-up on the same shapes that stops at 4 tokens."""
+    run(new_tokens, 4)
+    synchronize(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    nbytes = run(new_tokens, new_tokens)
+    synchronize(device)
+    return time.perf_counter() - wall, time.process_time() - cpu, nbytes
+
+
+def run_speed(args: argparse.Namespace) -> None:
+    model = build_model(args)
+    engines = args.engines.split(",")
+    print(f"# {args.shape} d={args.dim} heads={args.heads}/{args.kv_heads} ffn={args.ffn} vocab={args.vocab} "
+          f"{args.dtype} {args.device}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+          f"threads={torch.get_num_threads()}")
+    print("| batch | r | engine | tokens/s (wall) | tokens/s (CPU s) | vs cat (wall) | vs cat (CPU s) | KV cache MiB |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for bsz in (int(v) for v in args.batch_sizes.split(",")):
+        gen = torch.Generator().manual_seed(bsz)
+        input_ids = torch.randint(0, args.vocab, (bsz, args.prompt_len), generator=gen).to(args.device)
+        for r in (int(v) for v in args.recurrences.split(",")):
+            runs = {}
+            if "cat" in engines:
+                runs["cat"] = lambda new_tokens, stop_after: concat_generate(model, input_ids, stop_after, r)
+            for mode in ("full", "latest"):
+                if mode in engines:
+                    runs[mode] = engine_run(model, input_ids, r, mode, compile=False)
+                    if args.compile:
+                        runs[f"{mode}+compile"] = engine_run(model, input_ids, r, mode, compile=True)
+            baseline = None
+            for name, run in runs.items():
+                wall, cpu, nbytes = time_run(run, args.new_tokens, args.device)
+                baseline = baseline or ((wall, cpu) if name == "cat" else None)
+                ratios = [f"{b / t:.2f}" for b, t in zip(baseline, (wall, cpu))] if baseline else ["-", "-"]
+                tokens = bsz * args.new_tokens
+                print(f"| {bsz} | {r} | {name} | {tokens / wall:.1f} | {tokens / cpu:.1f} | {ratios[0]} | {ratios[1]} | "
+                      f"{nbytes / 2**20:.2f} |", flush=True)
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+
+def run_memory(args: argparse.Namespace) -> None:
+    """Planned bf16 cache bytes of one sequence (KVCache.planned_bytes, what the engine allocates)."""
+    from titan_recur.models.args import PRESETS
+    from titan_recur.models.cache import KVCache, core_slots_per_block
+
+    preset = PRESETS[args.preset]
+    model_args = preset.model_args(*(int(v) for v in args.shape.split(",")))
+    static = KVCache.planned_bytes(model_args, 1, args.tokens, 1, "latest", 2)
+    print(f"# {args.preset} as ({args.shape}), one sequence of {args.tokens} tokens, bf16; \"latest\" = a static "
+          f"model of P+R+C layers")
+    print("| r | kv_sharing | layer slots | KV cache MiB | vs latest |")
+    print("|---:|---|---:|---:|---:|")
+    for r in (int(v) for v in args.recurrences.split(",")):
+        for mode in args.kv_sharing_modes.split(","):
+            nbytes = KVCache.planned_bytes(model_args, 1, args.tokens, r, mode, 2)
+            slots = model_args.n_prelude + model_args.n_coda + model_args.n_core * core_slots_per_block(mode, r)
+            print(f"| {r} | {mode} | {slots} | {nbytes / 2**20:.1f} | {nbytes / static:.2f} |")
+
+
+# --- quality ------------------------------------------------------------------------------------
+
+
+def heldout_rows(args: argparse.Namespace, tokenizer) -> list[torch.Tensor]:
+    """Batches of held-out rows, each prompt + new tokens long; a padded row (the end of the data) is left out."""
+    from titan_recur.eval.sweep import heldout_batches
+    from titan_recur.models.loss import IGNORE_INDEX
+
+    batches = heldout_batches(tokenizer, seq_len=args.prompt_len + args.new_tokens, batch_size=args.batch_size,
+                              num_batches=args.batches, data=args.data, config=args.config)
+    rows = [batch["input_ids"][(batch["labels"] != IGNORE_INDEX).all(-1)] for batch in batches]
+    return [ids for ids in rows if len(ids)]
+
+
+def run_quality(args: argparse.Namespace) -> None:
+    from titan_recur.eval.loading import load_checkpoint
+    from titan_recur.tokenizer import load_tokenizer
+
+    model = load_checkpoint(args.checkpoint)
+    rows = heldout_rows(args, load_tokenizer(args.checkpoint))
+    r, p = args.num_steps, args.prompt_len
+    settings = {f"full r={r}": dict(num_steps=r)}
+    settings.update({f"full r={k}": dict(num_steps=k) for k in map(int, args.lower_steps.split(",")) if k != r})
+    settings.update({f"{mode} r={r}": dict(num_steps=r, kv_sharing=mode) for mode in args.kv_sharing_modes.split(",")})
+    for threshold in map(float, args.thresholds.split(",")):
+        settings[f"full r={r}, exit {args.criterion} < {threshold:g}"] = dict(
+            num_steps=r, exit_criterion=args.criterion, exit_threshold=threshold, min_steps=args.min_steps)
+    print(f"# {args.checkpoint}: {sum(len(b) for b in rows)} held-out rows, prompt {p} tokens, "
+          f"{args.new_tokens} teacher-forced tokens each")
+    print("| setting | loss | greedy agreement with full | mean iterations / token | of r | coda+head calls / token |")
+    print("|---|---:|---:|---:|---:|---:|")
+    reference = None
+    for name, knobs in settings.items():
+        losses, argmaxes, steps, calls = [], [], [], []
+        for ids in rows:
+            options = GenerationOptions(max_new_tokens=args.new_tokens, **knobs)
+            out = generate(model, ids[:, :p], options, forced_tokens=ids[:, p:], return_logits=True)
+            losses.append(F.cross_entropy(out.logits.flatten(0, 1), ids[:, p:].flatten(), reduction="none"))
+            argmaxes.append(out.logits.argmax(-1))
+            steps.append(out.steps[:, 1:].float())  # decoded tokens (the first comes from the prompt's r)
+            calls.append(out.head_calls[:, 1:].float())
+        argmax = torch.cat(argmaxes)
+        reference = argmax if reference is None else reference
+        mean_steps = float(torch.cat(steps).mean())
+        print(f"| {name} | {float(torch.cat(losses).mean()):.4f} | {float((argmax == reference).float().mean()):.4f} | "
+              f"{mean_steps:.2f} | {mean_steps / r:.0%} | {float(torch.cat(calls).mean()):.2f} |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    {"speed": run_speed, "memory": run_memory, "quality": run_quality}[args.command](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
