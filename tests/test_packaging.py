@@ -29,6 +29,7 @@ SCRIPTS = {
     "titan-recur-flops": "titan_recur.tools.flops:main",
     "titan-recur-prepare-data": "titan_recur.tools.prepare_data:main",
     "titan-recur-analyze-layers": "titan_recur.tools.analyze_layers:main",
+    "titan-recur-compare": "titan_recur.tools.compare:main",
 }
 
 

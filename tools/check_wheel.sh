@@ -78,5 +78,9 @@ step "titan-recur-export"
 step "titan-recur-analyze-layers"
 "$BIN/titan-recur-analyze-layers" --help > /dev/null && ok
 
+step "titan-recur-compare"  # the trained run against itself: one held-out loss point at r = 1
+"$BIN/titan-recur-compare" run --data "$REPO/assets/corpus/math.jsonl" --recurrences 1 --loss-batches 1 \
+    --loss-batch-size 2 --seq-len 32 --out compare > /dev/null 2>&1 && ok
+
 rm -rf "$WORK"
 echo "wheel check passed in $((SECONDS - START)) s"
