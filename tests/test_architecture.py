@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "titan_recur"
 # A module may import modules of a lower layer, or of its own package group (models.*, eval.*, hf.*).
 LAYER = {
-    "models": 0,
+    "models": 0, "resources": 0, "progress": 0,
     "config": 1, "plots": 1,
     "tokenizer": 2, "recurrence": 2, "checkpoint": 2, "fingerprint": 2, "watchdog": 2,
     "data": 3, "flops": 3, "optim": 3,

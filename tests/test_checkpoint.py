@@ -81,11 +81,13 @@ CORPUS_DATA = f"""
 name = "general"
 path = "{CORPUS / 'general.jsonl'}"
 kind = "jsonl"
+shuffle_buffer = 8
 
 [[data.sources]]
 name = "math"
 path = "{CORPUS / 'math.jsonl'}"
 kind = "jsonl"
+shuffle_buffer = 8
 """
 
 

@@ -236,7 +236,10 @@ def test_array_of_tables_errors_carry_the_path(tmp_path):
     path = write(tmp_path, "[data]\nsources = [1]\n")
     assert error(load_config, path, MODEL) == f"{path}: [data.sources][0] expects table, got 1"
     msg = error(load_config, None, MODEL + ["--data.sources", "a"])
-    assert msg == "command line: --data.sources is an array of tables; set [[data.sources]] in the config file"
+    assert msg == (
+        "command line: --data.sources is an array of tables; set a field of entry N as --data.sources.N.key "
+        "(e.g. --data.sources.0.path) or [[data.sources]] in the config file"
+    )
 
 
 @pytest.mark.parametrize(
@@ -328,3 +331,111 @@ def test_validate_accepts_defaults_with_a_model():
     cfg = JobConfig()
     cfg.model.path = "m"
     validate(cfg)
+
+
+# ---------------------------------------------------------------- composition: extends, array overrides
+
+
+def test_extends_merges_tables_and_replaces_arrays(tmp_path):
+    (tmp_path / "base").mkdir()
+    write(tmp_path, """
+        [training]
+        steps = 100
+        seq_len = 256
+        [validation]
+        recurrences = [1, 2, 4]
+        [[data.sources]]
+        path = "base.jsonl"
+        [[data.sources]]
+        path = "base2.jsonl"
+        """, "base/common.toml")
+    write(tmp_path, 'extends = "common.toml"\n[training]\nsteps = 200\nlocal_batch_size = 4\n', "base/recipe.toml")
+    write(tmp_path, '[model]\npath = "m"\n[training]\nlocal_batch_size = 2\n', "base/model.toml")
+    path = write(tmp_path, """
+        extends = ["base/recipe.toml", "base/model.toml"]
+        [validation]
+        recurrences = [8]
+        [[data.sources]]
+        path = "mine.jsonl"
+        """)
+    cfg = load_config(path)
+    assert (cfg.training.steps, cfg.training.seq_len, cfg.training.local_batch_size) == (200, 256, 2)
+    assert cfg.model.path == "m"
+    assert cfg.validation.recurrences == [8]  # arrays replace
+    assert [s.path for s in cfg.data.sources] == ["mine.jsonl"]  # arrays of tables too
+    # The result is the same as the one file it stands for.
+    flat = write(tmp_path, """
+        [model]
+        path = "m"
+        [training]
+        steps = 200
+        seq_len = 256
+        local_batch_size = 2
+        [validation]
+        recurrences = [8]
+        [[data.sources]]
+        path = "mine.jsonl"
+        """, "flat.toml")
+    assert load_config(flat) == cfg
+
+
+def test_extends_an_empty_array_clears_the_base(tmp_path):
+    write(tmp_path, '[model]\npath = "m"\n[[data.phases]]\n[[data.phases.sources]]\npath = "a"\n', "base.toml")
+    path = write(tmp_path, 'extends = "base.toml"\n[data]\nphases = []\n[[data.sources]]\npath = "b"\n')
+    data = load_config(path).data
+    assert data.phases == [] and [s.path for s in data.sources] == ["b"]
+
+
+def test_extends_errors_name_the_file(tmp_path):
+    base = write(tmp_path, "[training]\nstpes = 1\n", "base.toml")
+    path = write(tmp_path, 'extends = "base.toml"\n')
+    assert error(load_config, path, MODEL) == f"{base}: [training] unknown key 'stpes' (did you mean 'steps'?)"
+    path = write(tmp_path, 'extends = "nope.toml"\n')
+    assert error(load_config, path) == f"{path}: extends 'nope.toml', but {tmp_path / 'nope.toml'} is not a file"
+    path = write(tmp_path, "extends = 3\n")
+    assert error(load_config, path) == f"{path}: extends expects a file name or a list of file names, got 3"
+    a = write(tmp_path, 'extends = "b.toml"\n', "a.toml")
+    b = write(tmp_path, 'extends = "a.toml"\n', "b.toml")
+    assert error(load_config, a) == f"{b}: extends 'a.toml', which extends {b} again (a cycle)"
+
+
+@pytest.mark.parametrize(
+    "override, check",
+    [
+        (["--data.sources.0.path", "x.jsonl"], lambda d: [s.path for s in d.sources] == ["x.jsonl", "b"]),
+        (["--data.sources.1.weight=2"], lambda d: [s.weight for s in d.sources] == [1.0, 2.0]),
+        (["--data.sources.2.path", "c", "--data.sources.2.kind", "jsonl"],
+         lambda d: (d.sources[2].path, d.sources[2].kind, d.sources[2].text_field) == ("c", "jsonl", "text")),
+    ],
+)
+def test_cli_sets_fields_inside_arrays_of_tables(tmp_path, override, check):
+    path = write(tmp_path, '[model]\npath = "m"\n[[data.sources]]\npath = "a"\n[[data.sources]]\npath = "b"\n')
+    assert check(load_config(path, override).data)
+
+
+def test_cli_sets_data_from_nothing_and_nested_phases():
+    cfg = load_config(None, MODEL + ["--data.sources.0.path", "web.jsonl", "--data.sources.0.kind", "jsonl"])
+    assert cfg.data.sources == [DataSource(path="web.jsonl", kind="jsonl")]
+    cfg = load_config(None, MODEL + [
+        "--data.phases.0.sources.0.path", "a", "--data.phases.1.start_step", "10",
+        "--data.phases.1.sources.0.path", "b", "--data.phases.1.sources.1.path", "c",
+    ])
+    assert [(p.start_step, [s.path for s in p.sources]) for p in cfg.data.phases] == [(0, ["a"]), (10, ["b", "c"])]
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (["--data.sources.1.path", "a"],
+         "command line: --data.sources.1.path: data.sources has 0 entries; use an entry number up to 0 "
+         "(that one appends a new entry)"),
+        (["--data.sources.0.pth", "a"], "command line: unknown option --data.sources.0.pth (did you mean --data.sources.0.path?)"),
+        (["--data.sources.x.path", "a"], "command line: --data.sources.x.path: expected an entry number after --data.sources, got 'x'"),
+        (["--data.sources.0", "a"], "command line: --data.sources.0 is a table; set its fields as --data.sources.0.key"),
+        (["--data.sources.0.weight", "heavy"], "command line: --data.sources.0.weight expects float, got 'heavy'"),
+        (["--data.phases.0.sources", "a"], "command line: --data.phases.0.sources is an array of tables"),
+        (["--training.steps.0", "1"], "command line: unknown option --training.steps.0"),
+    ],
+)
+def test_cli_array_field_errors(override, expected):
+    assert error(load_config, None, MODEL + override).startswith(expected)

@@ -21,7 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_recur.config import Recurrence, config_to_dict, load_config, parse_args
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+
+from titan_recur.config import Recurrence, config_from_dict, config_to_dict, load_config, parse_args
 from titan_recur.flops import TrainingRun, block_params, paper_flops_per_token, param_counts, training_flops_per_token
 from titan_recur.models.args import PRESETS, ModelArgs
 from titan_recur.models.io import resolve_model_args, write_model_args
@@ -33,6 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "train_configs"
 FLOPS_TOOL = REPO / "tools" / "flops.py"
 CLUSTER_DOC = REPO / "docs" / "cluster.md"
+# Every train config as the self-contained file it was before the configs became bases + deltas.
+BEFORE_COMPOSITION = json.loads((REPO / "tests" / "fixtures" / "train_configs_before_composition.json").read_text())
 
 MODELS = {  # config prefix -> (preset, recurrent shape)
     "tinyllama": ("tinyllama-1.1b", (4, 8, 4)),
@@ -117,6 +124,23 @@ def load(name: str, *overrides: str):
 def test_every_config_is_covered():
     assert {p.stem for p in CONFIGS.glob("*.toml")} - {"debug_model"} == set(PAPER)
     assert all(twin in RECURRENT for twin in TWINS.values())
+
+
+@pytest.mark.parametrize("name", sorted(BEFORE_COMPOSITION["configs"]))
+def test_composed_configs_resolve_as_before(name):
+    """Each config (a recipe of train_configs/base/ plus its delta) resolves to exactly the values of
+    the self-contained file it replaced (tests/fixtures: those files, parsed, at the commit named there)."""
+    before = config_to_dict(config_from_dict(BEFORE_COMPOSITION["configs"][name], source="before"))
+    assert config_to_dict(load(name)) == before
+
+
+def test_paper_configs_are_deltas_of_a_recipe():
+    """The paper configs set only the run's name, description, model and (Figure 8) curriculum."""
+    for name in PAPER:
+        own = tomllib.loads((CONFIGS / f"{name}.toml").read_text())
+        assert own.pop("extends")
+        assert set(own) <= {"job", "model", "recurrence"}, name
+        assert set(own["job"]) == {"dump_folder", "description"}, name
 
 
 # ---------------------------------------------------------------- what the files say
@@ -625,3 +649,17 @@ def test_recurrence_section_of_configs_builds_the_paper_schedule():
     """RecurrenceSchedule.from_config is what the trainer and tools/flops.py use (one builder)."""
     schedule = RecurrenceSchedule.from_config(Recurrence(), 50_000)
     assert (schedule.mean(1), schedule.mean(50_000), schedule.backprop_depth(1)) == (1, 32, 8)
+
+
+def test_cluster_doc_points_sources_at_shards_from_the_command_line():
+    """docs/cluster.md section 4: the documented --data.phases.P.sources.S overrides load and validate."""
+    text = CLUSTER_DOC.read_text().split("## 4. Prepare data", 1)[1].split("## 5.", 1)[0]
+    block = text.split("point each source at its shards", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    argv = shlex.split(block.replace("\\\n", " "))
+    overrides = argv[argv.index("slurm/llama1b_retrofit.sh") + 1:]
+    phases = load("llama3_2_1b", *overrides).data.phases
+    assert [[(s.name, s.kind, s.path.split("/")[2]) for s in p.sources] for p in phases] == [
+        [("fineweb-edu", "tokenized", "fineweb_edu_1024")],
+        [("fineweb-edu", "tokenized", "fineweb_edu_1024"), ("sft-general", "tokenized", "sft_general_1024"),
+         ("sft-math", "tokenized", "sft_math_1024")],
+    ]

@@ -26,6 +26,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from titan_recur.models.args import PRESETS
+from titan_recur.resources import find_config
 
 # Activation checkpointing modes of the parallelize recipe (their FLOP cost is in titan_recur.flops).
 ACMode = Literal["none", "full", "per_iteration"]
@@ -255,11 +256,20 @@ class DataSource:
     kind: Literal["text", "jsonl", "parquet", "hf", "tokenized"] = opt("text", "Format of the source.")
     text_field: str = opt("text", "Column or key holding the text.")
     hf_config: str | None = opt(None, "Hugging Face dataset config name.")
+    revision: str | None = opt(None, "kind 'hf' only: the dataset's git revision (branch, tag or commit); none = main.")
+    data_files: list[str] = opt(
+        [], "kind 'hf' only: files (or globs) of the dataset to read, relative to it; none = the config's files."
+    )
     split: str = opt("train", "Dataset split.")
     weight: float = opt(1.0, "Relative sampling weight in the mixture.")
     sample_by: Literal["paragraph", "document", "line"] = opt(
         "paragraph",
         "kind 'text' only: one document per blank-line-separated paragraph, per file, or per line.",
+    )
+    shuffle_buffer: int = opt(
+        0,
+        "Documents (pre-tokenized: rows) read at a time and shuffled by a permutation seeded by job.seed, the "
+        "source, the reader and the position (exact on resume); 0 reads the source in file order.",
     )
 
 
@@ -317,6 +327,20 @@ class Metrics:
         None, "Per-device peak FLOP/s for MFU; none = look up the device (MFU is null on CPU unless given)."
     )
     jsonl: bool = opt(True, "Write metrics as JSON lines.")
+    enable_wandb: bool = opt(
+        False,
+        "Also log every record to Weights & Biases (pip install 'titan_recur[wandb]'). The run id is kept in "
+        "<dump_folder>/wandb_run_id, so a resumed run continues the same W&B run.",
+    )
+    wandb_project: str = opt("titan_recur", "W&B project.")
+    wandb_entity: str | None = opt(None, "W&B entity (user or team); none = your default entity.")
+    wandb_run_name: str | None = opt(None, "W&B run name; none = the dump folder's name.")
+    wandb_tags: list[str] = opt([], "W&B run tags.")
+    wandb_mode: Literal["online", "offline"] | None = opt(
+        None,
+        "'offline' writes the run under <dump_folder>/wandb only (upload later with `wandb sync`); "
+        "none = wandb's default (the WANDB_MODE environment variable, else online).",
+    )
 
 
 @dataclass
@@ -481,21 +505,70 @@ def _from_text(text: str, tp: Any) -> Any:
     raise ValueError(text)
 
 
+def _unknown_option(name: str, choices: Sequence[str]) -> ConfigError:
+    hint = _suggest(name, choices)
+    return ConfigError(f"{_CLI}: unknown option --{name}" + (f" (did you mean --{hint}?)" if hint else ""))
+
+
+def _option_type(name: str, options: dict[str, Any]) -> Any:
+    """Type of ``section.key``, or of a field inside arrays of tables: ``data.phases.1.sources.0.path``."""
+    parts = name.split(".")
+    head = ".".join(parts[:2])
+    if head not in options:
+        raise _unknown_option(name, list(options))
+    tp, prefix, rest = options[head], head, parts[2:]
+    while rest:
+        if not _is_table_list(tp):
+            raise _unknown_option(name, list(options))
+        index, *rest = rest
+        if not index.isdigit():
+            raise ConfigError(f"{_CLI}: --{name}: expected an entry number after --{prefix}, got {index!r}")
+        prefix += f".{index}"
+        if not rest:
+            raise ConfigError(f"{_CLI}: --{name} is a table; set its fields as --{name}.key")
+        cls = get_args(tp)[0]
+        key, *rest = rest
+        if key not in _hints(cls):
+            raise _unknown_option(name, [f"{prefix}.{k}" for k in _hints(cls)])
+        tp, prefix = _hints(cls)[key], f"{prefix}.{key}"
+    return tp
+
+
+def _assign(cfg: JobConfig, name: str, value: Any) -> None:
+    """Set option ``name`` (see _option_type); entry number len(array) appends a table of defaults."""
+    parts = name.split(".")
+    obj = getattr(cfg, parts[0])
+    for depth, (key, index) in enumerate(zip(parts[1::2], map(int, parts[2::2]))):
+        entries = getattr(obj, key)
+        if index > len(entries):
+            array = ".".join(parts[: 2 * depth + 2])
+            raise ConfigError(
+                f"{_CLI}: --{name}: {array} has {len(entries)} entries; use an entry number up to "
+                f"{len(entries)} (that one appends a new entry)"
+            )
+        if index == len(entries):
+            entries.append(get_args(_hints(type(obj))[key])[0]())
+        obj = entries[index]
+    setattr(obj, parts[-1], value)
+
+
 def _parse_overrides(argv: Sequence[str]) -> list[tuple[str, Any]]:
-    """``--a.b v`` / ``--a.b=v`` tokens -> [("a.b", value)]; a bare boolean flag means true."""
+    """``--a.b v`` / ``--a.b=v`` tokens -> [("a.b", value)]; a bare boolean flag means true.
+
+    Fields inside arrays of tables take the entry number: ``--data.sources.0.path v``.
+    """
     options, out, i = _options(), [], 0
     while i < len(argv):
         token = argv[i]
         if not token.startswith("--"):
             raise ConfigError(f"{_CLI}: unexpected argument {token!r} (options are --section.key value)")
         name, eq, text = token[2:].partition("=")
-        if name not in options:
-            hint = _suggest(name, list(options))
-            did_you_mean = f" (did you mean --{hint}?)" if hint else ""
-            raise ConfigError(f"{_CLI}: unknown option --{name}{did_you_mean}")
-        tp = options[name]
+        tp = _option_type(name, options)
         if _is_table_list(tp):
-            raise ConfigError(f"{_CLI}: --{name} is an array of tables; set [[{name}]] in the config file")
+            raise ConfigError(
+                f"{_CLI}: --{name} is an array of tables; set a field of entry N as --{name}.N.key "
+                f"(e.g. --{name}.0.path) or [[{name}]] in the config file"
+            )
         if not eq:
             nxt = argv[i + 1] if i + 1 < len(argv) else None
             if tp is bool and (nxt is None or nxt.startswith("--")):
@@ -557,9 +630,12 @@ def format_help(prog: str = "train") -> str:
         "",
         "Defaults < config file < command line. Lists are comma-separated (1,2,4); 'none' sets an",
         "optional value to None; booleans take true/false/1/0/yes/no, and a bare flag means true.",
+        "A field of an array of tables takes the entry number: --data.sources.0.path FILE (the next",
+        "number appends an entry).",
         "",
         "  --config FILE",
-        "      TOML job config (or a saved config.json).",
+        "      TOML job config (or a saved config.json). A file may start with extends = \"base.toml\" (or a",
+        "      list of files, relative to it): its tables merge over theirs, arrays replace theirs.",
         "  -h, --help",
         "      Show this help and exit.",
     ]
@@ -654,6 +730,9 @@ def _validate_data(d: Data) -> None:
     for where, s in sources:
         _require(s.path, f"{where} needs a path")
         _require(s.weight > 0, f"{where} weight must be > 0, got {s.weight}")
+        _require(s.shuffle_buffer >= 0, f"{where} shuffle_buffer must be >= 0, got {s.shuffle_buffer}")
+        _require(s.kind == "hf" or (s.revision is None and not s.data_files),
+                 f"{where} revision and data_files are for kind = 'hf' (a local {s.kind} source is its path)")
 
 
 def validate(cfg: JobConfig) -> None:
@@ -733,12 +812,44 @@ def _read_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot parse: {e}") from None
 
 
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Tables merge key by key; every other value (arrays and arrays of tables too) replaces the base's."""
+    merged = dict(base)
+    for key, value in over.items():
+        both_tables = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = _merge(merged[key], value) if both_tables else value
+    return merged
+
+
+def read_config_file(path: str, _chain: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A config file's values over those of the files it ``extends`` (in order, later ones win).
+
+    ``extends = "base.toml"`` or a list, relative to the file. Each file is type-checked on its own
+    first, so an error names the file that has the bad key.
+    """
+    values = _read_file(path)
+    parents = values.pop("extends", [])
+    parents = [parents] if isinstance(parents, str) else parents
+    if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
+        raise ConfigError(f"{path}: extends expects a file name or a list of file names, got {parents!r}")
+    config_from_dict(values, source=path)
+    chain, merged = _chain + (os.path.realpath(path),), {}
+    for parent in parents:
+        parent_path = os.path.join(os.path.dirname(path), parent)
+        if os.path.realpath(parent_path) in chain:
+            raise ConfigError(f"{path}: extends {parent!r}, which extends {path} again (a cycle)")
+        if not os.path.isfile(parent_path):
+            raise ConfigError(f"{path}: extends {parent!r}, but {parent_path} is not a file")
+        merged = _merge(merged, read_config_file(parent_path, chain))
+    return _merge(merged, values)
+
+
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> JobConfig:
     """Defaults, then the file at ``path`` (if any), then ``--section.key value`` overrides; validated."""
-    cfg = config_from_dict(_read_file(path), source=path) if path else JobConfig()
+    path = find_config(path) if path else path
+    cfg = config_from_dict(read_config_file(path), source=path) if path else JobConfig()
     for name, value in _parse_overrides(overrides):
-        section, key = name.split(".")
-        setattr(getattr(cfg, section), key, value)
+        _assign(cfg, name, value)
     validate(cfg)
     return cfg
 

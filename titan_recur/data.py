@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +65,10 @@ class DataError(ValueError):
 
 def _source_key(s: DataSource) -> str:
     """Sources that read the same stream share one reader across phases (a later phase continues it)."""
-    return f"{s.kind}:{s.path}:{s.hf_config}:{s.split}:{s.text_field}:{s.sample_by}"
+    key = f"{s.kind}:{s.path}:{s.hf_config}:{s.split}:{s.text_field}:{s.sample_by}"
+    if s.revision is not None or s.data_files:  # appended only when set: older checkpoints keep their keys
+        key += f":{s.revision}:{','.join(s.data_files)}"
+    return key
 
 
 def _column(s: DataSource) -> str:
@@ -88,7 +92,8 @@ def open_source(s: DataSource) -> datasets.IterableDataset:
     try:
         if s.kind == "hf":
             try:
-                ds = datasets.load_dataset(s.path, name=s.hf_config, split=s.split, streaming=True)
+                ds = datasets.load_dataset(s.path, name=s.hf_config, split=s.split, streaming=True,
+                                           revision=s.revision, data_files=s.data_files or None)
             except (OSError, ValueError, FileNotFoundError) as err:  # offline, no such dataset, no such split
                 raise ValueError(f"data source {s.name or s.path!r} ({s.kind} {s.path}) cannot be read: "
                                  f"{type(err).__name__}: {_first_line(err)}") from None
@@ -180,6 +185,7 @@ class _Reader:
     validation: bool
     validation_fraction: float  # 0: every document is this reader's (no hash split)
     single_pass: bool = False
+    seed: int = 0  # of the sources' shuffle permutations
 
     def keeps(self, doc: str | list[int]) -> bool:
         return self.validation_fraction <= 0 or _held_out(doc, self.validation_fraction) == self.validation
@@ -196,6 +202,7 @@ class _SourceStream:
         self.ds = split_dataset_by_node(open_source(source), reader.index, reader.count)
         self.column = _column(source)
         self.epoch, self.epoch_docs = 0, 0
+        self.window = -1  # index of the current batch in this epoch (seeds its shuffle permutation)
         self.batch_state: dict | None = None  # datasets state at the start of the current batch
         self.next_state: dict | None = None
         self.docs: list = []
@@ -209,7 +216,7 @@ class _SourceStream:
         if self.batch_state is not None:
             self.ds.load_state_dict(self.batch_state)
         self.next_state = self.batch_state
-        self.batches = self.ds.iter(batch_size=_DOCS_PER_READ)
+        self.batches = self.ds.iter(batch_size=self.source.shuffle_buffer or _DOCS_PER_READ)
 
     def _fetch(self) -> None:
         """Read the next batch of documents, starting a new epoch at the end of the source."""
@@ -229,11 +236,20 @@ class _SourceStream:
             if self.reader.single_pass:
                 raise SourceExhausted(self.name) from None
             logger.warning(f"data source {self.name!r}: epoch {self.epoch} done, looping over it again")
-            self.epoch, self.epoch_docs, self.batch_state = self.epoch + 1, 0, None
+            self.epoch, self.epoch_docs, self.batch_state, self.window = self.epoch + 1, 0, None, -1
             self._open()
             return self._fetch()
         self.batch_state, self.next_state = self.next_state, self.ds.state_dict()
-        self.docs, self.pos = batch[self.column], 0
+        self.docs, self.pos, self.window = self._shuffled(batch[self.column]), 0, self.window + 1
+
+    def _shuffled(self, docs: list) -> list:
+        """The batch in its seeded order: a function of the seed, source, reader, epoch and batch index only,
+        so a resumed run re-reads the batch its position is in and sees the same order."""
+        if not self.source.shuffle_buffer:
+            return docs
+        name = int.from_bytes(hashlib.blake2b(_source_key(self.source).encode(), digest_size=8).digest(), "little")
+        rng = np.random.default_rng([self.reader.seed, name, self.reader.index, self.epoch, self.window + 1])
+        return [docs[i] for i in rng.permutation(len(docs))]
 
     def _next_doc(self) -> str | list[int]:
         while True:
@@ -281,6 +297,7 @@ class _SourceStream:
         return {
             "epoch": self.epoch,
             "epoch_docs": self.epoch_docs,
+            "window": self.window,
             "batch_state": self.batch_state,
             "pos": self.pos,
             "buffer": self.buffer[self.offset :],
@@ -290,6 +307,7 @@ class _SourceStream:
         self.epoch, self.epoch_docs, self.batch_state = state["epoch"], state["epoch_docs"], state["batch_state"]
         self.buffer, self.offset = list(state["buffer"]), 0
         self.batches, self.docs, self.pos = None, [], 0
+        self.window = state.get("window", 0) - 1 if state["pos"] else state.get("window", -1)
         if state["pos"]:  # re-read the batch the saved position is in
             self._fetch()
             self.pos = state["pos"]
@@ -400,6 +418,7 @@ class PackedDataset(IterableDataset):
             validation_fraction=0.0 if self.split == "validation" and self.cfg.validation_sources
             else self.cfg.validation_fraction,
             single_pass=self.single_pass,
+            seed=self.seed,
         )
         self.streams = {k: _SourceStream(s, self.tokenizer, self.seq_len, reader) for k, s in self.sources.items()}
         if self._pending is not None:
@@ -463,13 +482,15 @@ class DataLoader(StatefulDataLoader):
     """StatefulDataLoader whose state also records the data geometry, to detect resharding on resume."""
 
     def __init__(self, dataset: PackedDataset, num_workers: int, reshard: str):
-        super().__init__(
-            dataset,
-            batch_size=dataset.batch,
-            num_workers=num_workers,
-            collate_fn=_collate,
-            pin_memory=torch.cuda.is_available(),
-        )
+        with warnings.catch_warnings():  # torchdata calls torch.set_vital, which torch deprecates: not the user's
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+            super().__init__(
+                dataset,
+                batch_size=dataset.batch,
+                num_workers=num_workers,
+                collate_fn=_collate,
+                pin_memory=torch.cuda.is_available(),
+            )
         self.reshard = reshard
         self.geometry = {
             "dp_world": dataset.dp_world,

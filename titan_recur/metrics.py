@@ -1,4 +1,5 @@
-"""Training metrics: one console line per log step, TensorBoard scalars and metrics.jsonl (rank 0 only).
+"""Training metrics: one console line per log step, TensorBoard scalars, metrics.jsonl and, optionally,
+Weights & Biases (rank 0 only). Every sink receives the same records.
 
 The logger also owns the log window: throughput, MFU and the loss averaged over the steps since
 the last log line (a single step's loss is noisy under sampled depth).
@@ -9,15 +10,20 @@ from __future__ import annotations
 import json
 import math
 import resource
+import secrets
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from titan_recur import flops
+from titan_recur.config import ConfigError, Metrics
 from titan_recur.plots import figure_vs_r
+
+WANDB_ID_FILE = "wandb_run_id"  # in the dump folder: the W&B run a resumed run continues
 
 
 def max_memory_gib(device: torch.device) -> float:
@@ -59,8 +65,58 @@ class StepWindow:
         }
 
 
+def import_wandb() -> Any:
+    """The wandb module, or a one-line error saying how to install it (checked before any work)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(
+            "metrics.enable_wandb = true needs wandb: pip install 'titan_recur[wandb]' "
+            "(or --metrics.enable_wandb false)"
+        ) from None
+    return wandb
+
+
+def scalars(record: dict[str, Any]) -> Iterator[tuple[str, float]]:
+    """A record's numbers other than the step, named as TensorBoard and W&B group them (section/key)."""
+    for key, value in record.items():
+        if key != "step" and isinstance(value, (int, float)):
+            yield key.replace(".", "/"), value
+
+
+class WandbSink:
+    """One W&B run per dump folder: its id is kept there, so a resumed run continues the same W&B run.
+
+    Records are logged against their own ``step`` (W&B's step_metric), not W&B's internal counter, so
+    the steps a resumed run repeats after its checkpoint are kept, as in metrics.jsonl.
+    """
+
+    def __init__(self, dump_folder: Path, cfg: Metrics, run_config: dict[str, Any]) -> None:
+        wandb = import_wandb()
+        id_file = dump_folder / WANDB_ID_FILE
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)
+        try:
+            self.run = wandb.init(
+                project=cfg.wandb_project, entity=cfg.wandb_entity, name=cfg.wandb_run_name or dump_folder.name,
+                tags=cfg.wandb_tags, mode=cfg.wandb_mode, id=run_id, resume="allow", dir=str(dump_folder),
+                config=run_config,
+            )
+        except wandb.Error as err:
+            message = " ".join(str(err).split())
+            raise ConfigError(f"metrics.enable_wandb: wandb.init failed: {message}") from None
+        id_file.write_text(run_id + "\n")
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.run.log({"step": record["step"], **dict(scalars(record))})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class MetricsLogger:
-    """Writes each record to console, TensorBoard and JSON lines; no-ops on ranks other than 0.
+    """Writes each record to console, TensorBoard, JSON lines and W&B; no-ops on ranks other than 0.
 
     Nothing touches the disk before :meth:`open`, which the trainer calls once every input has been
     checked (a run that fails on bad input leaves no event file behind).
@@ -75,7 +131,10 @@ class MetricsLogger:
         jsonl: bool,
         peak_flops: float | None = None,
         total_steps: int | None = None,
+        wandb: Metrics | None = None,
+        run_config: dict[str, Any] | None = None,
     ) -> None:
+        """``wandb``: the [metrics] section when metrics.enable_wandb (``run_config`` is stored with the run)."""
         self.enabled = enabled
         self.dump_folder = Path(dump_folder)
         self.tensorboard, self.jsonl = tensorboard, jsonl
@@ -85,11 +144,15 @@ class MetricsLogger:
         self.window = StepWindow()
         self.writer = None
         self.jsonl_file = None
+        self.wandb: WandbSink | None = None
+        self._wandb_section, self._run_config = wandb, run_config or {}
 
     def open(self) -> None:
         if not self.enabled:
             return
         self.dump_folder.mkdir(parents=True, exist_ok=True)
+        if self._wandb_section is not None:  # first: the one sink that can refuse (not logged in)
+            self.wandb = WandbSink(self.dump_folder, self._wandb_section, self._run_config)
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -138,18 +201,22 @@ class MetricsLogger:
         print(console, flush=True)
         step = record["step"]
         if self.writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
-                    self.writer.add_scalar(key.replace(".", "/"), value, step)
+            for key, value in scalars(record):
+                self.writer.add_scalar(key, value, step)
             self.writer.flush()
         if self.jsonl_file is not None:
             self.jsonl_file.write(json.dumps(_jsonable(record)) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(record)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
         if self.jsonl_file is not None:
             self.jsonl_file.close()
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
 
 
 def format_duration(seconds: float) -> str:

@@ -37,6 +37,7 @@ from titan_recur.models.io import (
 )
 from titan_recur.models.model import RecurrentLM, init_identity_adapter
 from titan_recur.models.rope import SUPPORTED_ROPE_TYPES
+from titan_recur.progress import progress
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Olmo2ForCausalLM": "olmo2"}
 _ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "olmo2": "Olmo2ForCausalLM"}
@@ -489,7 +490,7 @@ def _converted_state(
     # dtype "source" keeps each tensor's stored dtype; the new adapter takes the embedding's.
     adapter_dtype = DTYPES[options.dtype] or weights.get("model.embed_tokens.weight").dtype
     state = {}
-    for target, name in names.items():
+    for target, name in progress(names.items(), desc="convert", unit="tensor", total=len(names)):
         if name is None:
             state[target] = adapter_weight(args.dim, args.adapter_init, options.seed).to(adapter_dtype)
         else:

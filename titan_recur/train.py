@@ -36,7 +36,7 @@ from titan_recur.checkpoint import (
 from titan_recur.config import ConfigError, JobConfig, config_to_dict, grad_accum_steps, parse_args
 from titan_recur.data import DataError, build_dataloader, check_data_config
 from titan_recur.fingerprint import check_unchanged, run_fingerprint
-from titan_recur.metrics import MetricsLogger
+from titan_recur.metrics import MetricsLogger, import_wandb
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.io import (
     load_state_dict_into,
@@ -134,6 +134,8 @@ class Trainer:
         dp_mesh_shape(self.dp_world, cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
         self.grad_accum = grad_accum_steps(cfg.training, self.dp_world)
         check_data_config(cfg.data, self.tokenizer, cfg.training.seq_len, validation=cfg.validation.enable)
+        if cfg.metrics.enable_wandb:
+            import_wandb()  # a missing wandb is one line before any work
         torch.manual_seed(cfg.job.seed + self.dist.rank)
         if cfg.job.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -168,6 +170,8 @@ class Trainer:
             jsonl=cfg.metrics.jsonl,
             peak_flops=flops.peak_flops(override=cfg.metrics.peak_flops),
             total_steps=cfg.training.steps,
+            wandb=cfg.metrics if cfg.metrics.enable_wandb else None,
+            run_config=config_to_dict(cfg),
         )
         self.preemption = PreemptionFlag()
         self.async_save_written = False  # every rank's background save has finished (agreed each step)

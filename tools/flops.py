@@ -13,7 +13,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a script (python tools/flops.py): this checkout's titan_recur
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titan_recur.config import ConfigError, Recurrence, Training, load_config  # noqa: E402
 from titan_recur.flops import (  # noqa: E402

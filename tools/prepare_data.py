@@ -153,5 +153,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def main(argv: list[str] | None = None) -> int:
+    prepare(parse_args(argv))
+    return 0
+
+
 if __name__ == "__main__":
-    prepare(parse_args())
+    sys.exit(main())

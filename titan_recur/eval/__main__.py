@@ -24,11 +24,12 @@ from pathlib import Path
 
 from titan_recur.checkpoint import CheckpointError
 from titan_recur.models.args import STATE_INITS
+from titan_recur.resources import project_folder
 
 DEFAULT_RECURRENCES = "1,2,4,8,16,32"
 DATA_BATCH_SIZE, DATA_SEQ_LEN = 8, 1024
-# The project's task configs (tasks/ of the source tree), always on the harness's include path.
-PROJECT_TASKS = Path(__file__).resolve().parents[2] / "tasks"
+# The project's task configs (tasks/ of the checkout, or shipped in the wheel), always on the harness's include path.
+PROJECT_TASKS = project_folder("tasks")
 
 
 def parse_ints(text: str) -> list[int]:
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     heldout.add_argument("--out", required=True, type=Path, help="jsonl file to write ({\"text\": ...} per line)")
 
     harness = commands.add_parser("harness", help="lm-eval-harness tasks at each test recurrence, one model load")
-    harness.add_argument("--model_args", required=True,
+    harness.add_argument("--model-args", "--model_args", required=True,
                          help="titan_recur model args, e.g. pretrained=PATH,batch_size=16,max_gen_toks=256; "
                          "generation depth: kv_sharing=full|latest|compress-N, exit_criterion=kl|latent-diff|"
                          "entropy-diff|argmax, exit_threshold, min_steps, check_every (docs/generation.md)")
@@ -101,12 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     harness.add_argument("--recurrences", type=parse_ints, help="test recurrences (default: num_steps of model_args, "
                          "else the model's mean_recurrence)")
     harness.add_argument("--exit-thresholds", type=parse_floats,
-                         help="also sweep these adaptive-exit thresholds (needs exit_criterion in --model_args)")
-    harness.add_argument("--include_path", action="append", default=[],
+                         help="also sweep these adaptive-exit thresholds (needs exit_criterion in --model-args)")
+    harness.add_argument("--include-path", "--include_path", action="append", default=[],
                          help=f"extra task folder (repeatable); {PROJECT_TASKS} is always included")
-    harness.add_argument("--num_fewshot", type=int, help="override the tasks' number of few-shot examples")
+    harness.add_argument("--num-fewshot", "--num_fewshot", type=int, help="override the tasks' number of few-shot examples")
     harness.add_argument("--limit", type=float, help="examples per task (a fraction if < 1); for testing only")
-    harness.add_argument("--log_samples", action="store_true", help="also write per-sample outputs")
+    harness.add_argument("--log-samples", "--log_samples", action="store_true", help="also write per-sample outputs")
     harness.add_argument("--out", required=True, type=Path,
                          help="output folder for results_r*.json, table.{json,md}, compute_curve.png and "
                          "accuracy_vs_r.png (without --exit-thresholds)")
@@ -145,7 +146,8 @@ def run_loss(args: argparse.Namespace) -> None:
         tokenizer, seq_len=settings["seq_len"], batch_size=settings["batch_size"], num_batches=settings["batches"],
         data=args.data, text_field=args.text_field, config=args.config, ranks=settings["data_ranks"],
     )
-    report = loss_sweep(model, batches, recurrences, device, args.state_init)
+    most = None if settings["batches"] is None else settings["batches"] * settings["data_ranks"]
+    report = loss_sweep(model, batches, recurrences, device, args.state_init, num_batches=most)
     report.update(checkpoint=str(args.checkpoint), data=args.data or f"{args.config} (validation split)",
                   dtype=args.dtype, **settings, in_loop_validation=in_loop)
     json_path, plot_path = write_report(report, args.out, title=str(args.checkpoint))

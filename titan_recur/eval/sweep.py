@@ -15,6 +15,7 @@ from titan_recur.data import build_dataloader
 from titan_recur.eval.loss import mean_losses, validation_loss_sums
 from titan_recur.models.model import RecurrentLM
 from titan_recur.plots import figure_vs_r, save_figure
+from titan_recur.progress import progress
 from titan_recur.tokenizer import Tokenizer
 
 JSON_NAME = "validation_loss.json"
@@ -120,10 +121,15 @@ def loss_sweep(
     recurrences: Sequence[int],
     device: torch.device | str,
     state_init: str | None = None,
+    num_batches: int | None = None,
 ) -> dict[str, Any]:
-    """The report: loss per recurrence (token-weighted), token count, and the settings."""
+    """The report: loss per recurrence (token-weighted), token count, and the settings.
+
+    ``num_batches``: the most ``batches`` yields (None: unknown), for the progress bar.
+    """
     state_init = state_init or model.args.eval_state_init
-    counted = _Counted(batches)
+    shown = progress(batches, desc=f"loss at r={','.join(map(str, recurrences))}", unit="batch", total=num_batches)
+    counted = _Counted(shown)
     sums = validation_loss_sums(model, counted, recurrences, device, state_init)
     losses = mean_losses(sums)
     return {

@@ -28,6 +28,7 @@ from titan_recur.models.io import (
     write_atomically,
 )
 from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, RecurrentLM
+from titan_recur.progress import progress
 from titan_recur.recurrence import DEFAULT_SEED, DEFAULT_SIGMA
 from titan_recur.surgery import LayerPlan, source_tensor_names
 
@@ -242,7 +243,8 @@ def export_hf(
     else:
         config = static_hf_config(args, dtype)
         state = static_state_dict(model)
-    state = {k: v.to(device="cpu", dtype=DTYPES[dtype]) for k, v in state.items()}
+    tensors = progress(state.items(), desc="export", unit="tensor", total=len(state))
+    state = {k: v.to(device="cpu", dtype=DTYPES[dtype]) for k, v in tensors}
 
     def write(folder: Path) -> None:
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
