@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import torch
 
 from titan_recur.checkpoint import CheckpointError
-from titan_recur.eval.loading import default_tokenizer_folder, load_checkpoint, resolve_device
+from titan_recur.eval.loading import add_checkpoint_arguments, default_tokenizer_folder, load_checkpoint, resolve_device
 from titan_recur.models.generate import GenerationOptions, check_prompts, generate, left_pad
 from titan_recur.models.io import DTYPES, read_model_args
 from titan_recur.tokenizer import check_vocab, load_tokenizer
@@ -41,10 +41,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True,
-                        help="model folder (config.json + model.safetensors) or DCP step folder")
-    parser.add_argument("--model-config", help="model folder giving the architecture of a DCP step folder")
-    parser.add_argument("--tokenizer", help="folder with the tokenizer files (default: the model folder)")
+    add_checkpoint_arguments(parser)
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", help="one prompt")
     prompts.add_argument("--prompts", type=Path, help="JSON-lines file, one {\"prompt\": TEXT} per line")

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from titan_recur.checkpoint import CheckpointError
+from titan_recur.eval.loading import add_checkpoint_arguments
 from titan_recur.models.args import STATE_INITS
 from titan_recur.resources import project_folder
 
@@ -59,10 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     loss = commands.add_parser("loss", help="held-out loss at each test recurrence: JSON + PNG plot")
-    loss.add_argument("--checkpoint", required=True,
-                      help="model folder (config.json + model.safetensors) or DCP step folder")
-    loss.add_argument("--model-config", help="model folder giving the architecture of a DCP step folder")
-    loss.add_argument("--tokenizer", help="folder with the tokenizer files (default: the model folder)")
+    add_checkpoint_arguments(loss)
     data = loss.add_mutually_exclusive_group(required=True)
     data.add_argument("--data", help="held-out file or glob: .jsonl/.json, .parquet, else plain text; read once")
     data.add_argument("--config", help="train config TOML (or a run's config.json): its validation split, with "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -61,3 +62,11 @@ def load_checkpoint(
 def default_tokenizer_folder(path: str | Path, model_config: str | Path | None) -> Path:
     """Where the tokenizer files of a checkpoint are: the model folder (or, for DCP, the --model-config folder)."""
     return Path(model_config if model_config is not None else path)
+
+
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """--checkpoint, --model-config, --tokenizer: what ``load_checkpoint`` and ``default_tokenizer_folder`` take."""
+    parser.add_argument("--checkpoint", required=True,
+                        help="model folder (config.json + model.safetensors) or DCP step folder")
+    parser.add_argument("--model-config", help="model folder giving the architecture of a DCP step folder")
+    parser.add_argument("--tokenizer", help="folder with the tokenizer files (default: the model folder)")
