@@ -70,9 +70,10 @@ def tok(tok_folder):
     return load_tokenizer(tok_folder)
 
 
-def loader(cfg: Data, tok, *, batch: int = 2, rows_per_step: int = 2, rank: int = 0, world: int = 1, split="train"):
+def loader(cfg: Data, tok, *, batch: int = 2, rows_per_step: int = 2, rank: int = 0, world: int = 1, split="train",
+           seq_len: int = SEQ_LEN):
     return build_dataloader(
-        cfg, tok, seq_len=SEQ_LEN, local_batch_size=batch, rows_per_step=rows_per_step,
+        cfg, tok, seq_len=seq_len, local_batch_size=batch, rows_per_step=rows_per_step,
         dp_rank=rank, dp_world=world, seed=0, split=split,
     )
 
@@ -280,6 +281,46 @@ def test_prepare_data_matches_the_packed_stream(tmp_path, tok, tok_folder):
     assert [t for r in rows for t in r] == stream[: len(rows) * (SEQ_LEN + 1)]
     cfg = Data(sources=[DataSource(path=str(out / "*.parquet"), kind="tokenized")])
     assert full_rows(take(loader(cfg, tok), 5)).tolist() == rows[:10]
+
+
+def test_token_stream_v2_gives_the_on_the_fly_rows_at_any_seq_len(tmp_path, tok, tok_folder):
+    """prepare_data without --seq-len writes a flat stream + metadata; the loader packs it at any seq_len into
+    the rows it packs from the text itself."""
+    docs = make_docs("doc", 120)
+    source = write_jsonl(tmp_path / "a.jsonl", docs)
+    out = tmp_path / "stream"
+    prepare_data.prepare(prepare_data.parse_args([
+        "--tokenizer", str(tok_folder), "--path", source, "--kind", "jsonl", "--out", str(out),
+        "--workers", "2", "--chunk-tokens", "37", "--rows-per-shard", "10", "--docs-per-task", "16",
+    ]))
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["tokens"] == len(packed_stream(tok, docs)) and meta["document_count"] == len(docs)
+    assert meta["vocab_size"] == tok.vocab_size and len(sorted(out.glob("*.parquet"))) > 1
+    text = Data(sources=[DataSource(path=source, kind="jsonl")], validation_fraction=0.0)
+    stream = Data(sources=[DataSource(path=str(out / "*.parquet"), kind="tokenized")], validation_fraction=0.0)
+    check_data_config(stream, tok, 13)
+    for seq_len in (8, 13):
+        expected, got = take(loader(text, tok, seq_len=seq_len), 6), take(loader(stream, tok, seq_len=seq_len), 6)
+        for a, b in zip(expected, got, strict=True):
+            assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
+
+
+def test_token_stream_of_another_tokenizer_is_one_line_at_start_up(tmp_path, tok_folder, capsys):
+    source = write_jsonl(tmp_path / "a.jsonl", make_docs("doc", 20))
+    out = tmp_path / "stream"
+    prepare_data.prepare(prepare_data.parse_args([
+        "--tokenizer", str(tok_folder), "--path", source, "--kind", "jsonl", "--out", str(out), "--workers", "1",
+    ]))
+    config = tmp_path / "run.toml"  # the bundled model's tokenizer is not the one the stream was made with
+    config.write_text(f'[model]\npath = "{REPO_ROOT / "assets" / "tiny_llama_recurrent"}"\n[training]\nsteps = 1\n'
+                      f'[[data.sources]]\npath = "{out / "*.parquet"}"\nkind = "tokenized"\n')
+    from titan_recur.train import main
+
+    capsys.readouterr()
+    assert main(["--config", str(config), "--job.dump_folder", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "tokenized with another tokenizer" in err, err
+    assert not (tmp_path / "run").exists()
 
 
 def test_two_ranks_resume_exactly_and_never_share_documents(tmp_path, tok_folder):

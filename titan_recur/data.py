@@ -31,6 +31,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -81,6 +82,32 @@ def _source_files(s: DataSource) -> list[str]:
     if not files:
         raise FileNotFoundError(f"data source {s.name or s.path!r}: no file matches {s.path!r}")
     return files
+
+
+# Pre-tokenized format v2: a flat token stream (shards of list<int32> chunks of any length, documents packed
+# as [BOS] doc EOS) with this metadata file beside the shards; read at any seq_len. v1 (no metadata file):
+# rows of exactly seq_len + 1 tokens.
+TOKENS_METADATA = "metadata.json"
+TOKENS_FORMAT_V2 = "titan_recur.tokens/v2"
+_TOKENIZER_PROBE = "The quick brown fox jumps over the lazy dog.\n3 + 4 = 7; x^2 - 1 = (x - 1)(x + 1).  Gr\u00fc\u00dfe!"
+
+
+def tokenizer_probe(tokenizer: Tokenizer) -> str:
+    """A digest of what ids mean: the ids of a fixed text with BOS/EOS, and the vocabulary size (the same for
+    the same vocabulary in any file format: tokenizer.json or a tiktoken/sentencepiece model)."""
+    ids = tokenizer.encode(_TOKENIZER_PROBE, bos=tokenizer.bos_id is not None, eos=True)
+    return hashlib.sha256(json.dumps([ids, tokenizer.vocab_size]).encode()).hexdigest()[:16]
+
+
+def token_stream_metadata(s: DataSource) -> dict[str, Any] | None:
+    """The v2 metadata of a pre-tokenized source (next to its first file), or None for v1 rows."""
+    path = Path(_source_files(s)[0]).parent / TOKENS_METADATA
+    if not path.is_file():
+        return None
+    meta = json.loads(path.read_text())
+    if meta.get("format") != TOKENS_FORMAT_V2:
+        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {TOKENS_FORMAT_V2!r}")
+    return meta
 
 
 def open_source(s: DataSource) -> datasets.IterableDataset:
@@ -201,6 +228,8 @@ class _SourceStream:
         self.name = source.name or source.path
         self.ds = split_dataset_by_node(open_source(source), reader.index, reader.count)
         self.column = _column(source)
+        # v2 token streams are packed like text (chunks concatenated, cut into rows); v1 rows pass through.
+        self.token_stream = source.kind == "tokenized" and token_stream_metadata(source) is not None
         self.epoch, self.epoch_docs = 0, 0
         self.window = -1  # index of the current batch in this epoch (seeds its shuffle permutation)
         self.batch_state: dict | None = None  # datasets state at the start of the current batch
@@ -266,7 +295,7 @@ class _SourceStream:
                 return doc
 
     def next_row(self) -> list[int]:
-        if self.source.kind == "tokenized":
+        if self.source.kind == "tokenized" and not self.token_stream:
             row = self._next_doc()
             if len(row) != self.row_len:
                 raise DataError(
@@ -280,10 +309,16 @@ class _SourceStream:
                 doc = self._next_doc()
             except SourceExhausted:
                 return self._last_row()
-            self.buffer, self.offset = self.buffer[self.offset :] + encode_document(self.tokenizer, doc), 0
+            self.buffer, self.offset = self.buffer[self.offset :] + self._tokens(doc), 0
         row = self.buffer[self.offset : self.offset + self.row_len]
         self.offset += self.row_len
         return row
+
+    def _tokens(self, doc: str | list[int]) -> list[int]:
+        if not self.token_stream:
+            return encode_document(self.tokenizer, doc)
+        check_token_ids(doc, self.tokenizer.vocab_size, f"data source {self.name!r}")
+        return doc
 
     def _last_row(self) -> list[int]:
         """A single-pass source's leftover tokens, padded with IGNORE_INDEX (no loss, no label)."""
@@ -593,9 +628,17 @@ def heldout_documents(cfg: Data) -> Iterator[str]:
                 yield doc
 
 
-def _check_tokenized_files(s: DataSource, seq_len: int, vocab_size: int) -> None:
-    """Row lengths and id range of the first row group of each pre-tokenized file (cheap, catches a wrong
-    seq_len or tokenizer)."""
+def _check_tokenized_files(s: DataSource, seq_len: int, tokenizer: Tokenizer) -> None:
+    """v2: the stream's tokenizer is this run's. v1: row lengths. Both: the id range of the first row group of
+    each file (cheap, catches a wrong seq_len or tokenizer)."""
+    vocab_size = tokenizer.vocab_size
+    meta = token_stream_metadata(s)
+    if meta is not None and meta.get("tokenizer_probe") != tokenizer_probe(tokenizer):
+        raise ValueError(
+            f"data source {s.name or s.path!r}: tokenized with another tokenizer (vocab {meta.get('vocab_size')}, "
+            f"probe {meta.get('tokenizer_probe')}; this run's: vocab {vocab_size}, probe {tokenizer_probe(tokenizer)}): "
+            "re-run tools/prepare_data.py with this run's tokenizer"
+        )
     for path in _source_files(s):
         f = pq.ParquetFile(path)
         if TOKENS_COLUMN not in f.schema_arrow.names:
@@ -605,7 +648,7 @@ def _check_tokenized_files(s: DataSource, seq_len: int, vocab_size: int) -> None
         rows = f.read_row_group(0, columns=[TOKENS_COLUMN])[TOKENS_COLUMN]
         lengths = pc.unique(pc.list_value_length(rows))
         bad = [n for n in lengths.to_pylist() if n != seq_len + 1]
-        if bad:
+        if bad and meta is None:
             raise ValueError(f"{path}: pre-tokenized rows of {bad[0]} tokens, expected seq_len + 1 = {seq_len + 1}")
         ids = pc.min_max(pc.list_flatten(rows)).as_py()
         if ids["min"] is not None:
@@ -637,7 +680,7 @@ def check_source(s: DataSource, tokenizer: Tokenizer, seq_len: int, held_out_fra
     packed."""
     name = s.name or s.path
     if s.kind == "tokenized":
-        _check_tokenized_files(s, seq_len, tokenizer.vocab_size)
+        _check_tokenized_files(s, seq_len, tokenizer)
     first, seen = None, 0
     held_out_scan = 0 if held_out_fraction is None else min(_HELD_OUT_SCAN, math.ceil(50 / held_out_fraction))
     for seen, doc in enumerate(_first_documents(s), 1):

@@ -1,9 +1,17 @@
 """Tokenize and pack a dataset into pre-tokenized parquet shards for the fast "tokenized" data path.
 
 Documents are read in order with the trainer's own reader, tokenized by a pool of processes and
-packed exactly as the trainer packs text ([BOS] doc EOS, concatenated, cut into rows of
-seq_len + 1 tokens; a row may span documents). The final partial row is dropped. Each shard is a
-parquet file with one list<int32> column ``input_ids``; train on it with
+packed exactly as the trainer packs text ([BOS] doc EOS, concatenated). Two formats, both parquet
+files with one list<int32> column ``input_ids``:
+
+- v2 (default, no --seq-len): a flat token stream, chunks of --chunk-tokens tokens (the last one
+  shorter, nothing dropped), plus OUT/metadata.json (format, tokenizer probe, vocab size, BOS/EOS,
+  token and document counts). The trainer packs it into rows at any seq_len, and refuses it at
+  start-up, in one line, if the run's tokenizer is not the one it was made with.
+- v1 (--seq-len N): rows of exactly N + 1 tokens (a row may span documents; the final partial row
+  is dropped), for that seq_len only.
+
+Train on either with
 
     [[data.sources]]
     path = "OUT/*.parquet"
@@ -12,14 +20,15 @@ parquet file with one list<int32> column ``input_ids``; train on it with
 Examples:
 
     python tools/prepare_data.py --tokenizer models/tinyllama --path "corpus/*.jsonl" --kind jsonl \\
-        --seq-len 1024 --out data/corpus_1024
+        --out data/corpus
     python tools/prepare_data.py --tokenizer models/llama3_2_1b --path HuggingFaceFW/fineweb-edu \\
-        --kind hf --hf-config sample-10BT --seq-len 1024 --out data/fwe_1024 --max-docs 1000000
+        --kind hf --hf-config sample-10BT --out data/fwe --max-docs 1000000
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -32,7 +41,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from titan_recur.config import DataSource
-from titan_recur.data import TOKENS_COLUMN, encode_document, is_empty, open_source
+from titan_recur.data import (
+    TOKENS_COLUMN,
+    TOKENS_FORMAT_V2,
+    TOKENS_METADATA,
+    encode_document,
+    is_empty,
+    open_source,
+    tokenizer_probe,
+)
 from titan_recur.tokenizer import Tokenizer, load_tokenizer
 
 _tokenizer: Tokenizer | None = None
@@ -43,10 +60,11 @@ def _init_worker(folder: str) -> None:
     _tokenizer = load_tokenizer(folder)
 
 
-def _encode_chunk(docs: list[str | None]) -> np.ndarray:
-    """The packed token stream of a chunk of documents (int32: cheap to send back)."""
-    ids = [t for d in docs if not is_empty(d) for t in encode_document(_tokenizer, d)]
-    return np.asarray(ids, dtype=np.int32)
+def _encode_chunk(docs: list[str | None]) -> tuple[np.ndarray, int]:
+    """The packed token stream of a chunk of documents (int32: cheap to send back), and its document count."""
+    kept = [d for d in docs if not is_empty(d)]
+    ids = [t for d in kept for t in encode_document(_tokenizer, d)]
+    return np.asarray(ids, dtype=np.int32), len(kept)
 
 
 def _chunks(source: DataSource, docs_per_task: int, max_docs: int | None) -> Iterator[list]:
@@ -60,11 +78,21 @@ def _chunks(source: DataSource, docs_per_task: int, max_docs: int | None) -> Ite
             return
 
 
-def _write_shard(rows: np.ndarray, path: Path) -> None:
-    n, row_len = rows.shape
-    offsets = pa.array(np.arange(0, n * row_len + 1, row_len, dtype=np.int32))
-    column = pa.ListArray.from_arrays(offsets, pa.array(rows.reshape(-1)))
+def _write_shard(flat: np.ndarray, row_len: int, path: Path) -> None:
+    """``flat`` as rows of ``row_len`` tokens (the last one shorter if it does not divide)."""
+    offsets = pa.array(np.append(np.arange(0, len(flat), row_len), len(flat)).astype(np.int32))
+    column = pa.ListArray.from_arrays(offsets, pa.array(flat))
     pq.write_table(pa.table({TOKENS_COLUMN: column}), path)
+
+
+def _write_metadata(out: Path, tokenizer_folder: str, tokens: int, documents: int, chunk_tokens: int) -> None:
+    tokenizer = load_tokenizer(tokenizer_folder)
+    meta = {
+        "format": TOKENS_FORMAT_V2, "tokenizer_probe": tokenizer_probe(tokenizer), "vocab_size": tokenizer.vocab_size,
+        "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "documents": "[BOS] doc EOS, concatenated",
+        "tokens": tokens, "document_count": documents, "chunk_tokens": chunk_tokens,
+    }
+    (out / TOKENS_METADATA).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 class _Progress:
@@ -102,32 +130,37 @@ def prepare(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if any(out.glob("*.parquet")):
         raise SystemExit(f"{out} already holds parquet files; use an empty folder")
-    row_len = args.seq_len + 1
+    stream = args.seq_len is None  # v2: a flat token stream, readable at any seq_len
+    row_len = args.chunk_tokens if stream else args.seq_len + 1
     shard_tokens = args.rows_per_shard * row_len
     pending: list[np.ndarray] = []
-    n_pending = shards = rows = 0
+    n_pending = shards = rows = documents = 0
     progress = _Progress()
     start = time.perf_counter()
     with Pool(args.workers, initializer=_init_worker, initargs=(args.tokenizer,)) as pool:
-        for ids in pool.imap(_encode_chunk, _chunks(source, args.docs_per_task, args.max_docs)):
+        for ids, docs in pool.imap(_encode_chunk, _chunks(source, args.docs_per_task, args.max_docs)):
             progress.update(len(ids))
             pending.append(ids)
             n_pending += len(ids)
+            documents += docs
             while n_pending >= shard_tokens:
                 flat = np.concatenate(pending)
-                _write_shard(flat[:shard_tokens].reshape(-1, row_len), out / f"part-{shards:05d}.parquet")
+                _write_shard(flat[:shard_tokens], row_len, out / f"part-{shards:05d}.parquet")
                 pending, n_pending = [flat[shard_tokens:]], len(flat) - shard_tokens
                 shards, rows = shards + 1, rows + args.rows_per_shard
     progress.close()
     flat = np.concatenate(pending) if pending else np.zeros(0, np.int32)
-    last_rows = len(flat) // row_len
-    if last_rows:
-        _write_shard(flat[: last_rows * row_len].reshape(-1, row_len), out / f"part-{shards:05d}.parquet")
-        shards, rows = shards + 1, rows + last_rows
+    kept = len(flat) if stream else len(flat) // row_len * row_len
+    if kept:
+        _write_shard(flat[:kept], row_len, out / f"part-{shards:05d}.parquet")
+        shards, rows = shards + 1, rows + -(-kept // row_len)
+    if stream:
+        _write_metadata(out, args.tokenizer, progress.total, documents, row_len)
     seconds = time.perf_counter() - start
+    layout = f"chunks of {row_len} tokens (v2 token stream)" if stream else f"rows of {row_len} tokens (v1)"
     print(
-        f"{progress.total:,} tokens -> {rows:,} rows of {row_len} in {shards} shards under {out} "
-        f"({len(flat) - last_rows * row_len} trailing tokens dropped); {seconds:.1f} s, "
+        f"{progress.total:,} tokens of {documents:,} documents -> {rows:,} {layout} in {shards} shards under {out} "
+        f"({len(flat) - kept} trailing tokens dropped); {seconds:.1f} s, "
         f"{progress.total / max(seconds, 1e-9):,.0f} tokens/s with {args.workers} workers"
     )
 
@@ -144,10 +177,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sample-by", choices=["paragraph", "document", "line"], default="paragraph",
         help="--kind text: one document per blank-line-separated paragraph, per file, or per line.",
     )
-    parser.add_argument("--seq-len", type=int, required=True, help="Training seq_len; rows hold seq_len + 1 tokens.")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="v1: rows of exactly seq_len + 1 tokens for this seq_len (default: v2, a token stream)")
+    parser.add_argument("--chunk-tokens", type=int, default=8192, help="v2: tokens per parquet row (default 8192)")
     parser.add_argument("--out", required=True, help="Empty output folder for part-NNNNN.parquet shards.")
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="Tokenizer processes (default: all cores).")
-    parser.add_argument("--rows-per-shard", type=int, default=100_000, help="Rows per parquet shard.")
+    parser.add_argument("--rows-per-shard", type=int, default=100_000, help="Rows (v1) or chunks (v2) per parquet shard.")
     parser.add_argument("--docs-per-task", type=int, default=512, help="Documents per task sent to a worker.")
     parser.add_argument("--max-docs", type=int, default=None, help="Stop after this many documents.")
     return parser.parse_args(argv)
