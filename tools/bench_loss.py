@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.process_memory import current_bytes, peak_bytes, run_child  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,29 +57,13 @@ def run_point(args: argparse.Namespace) -> dict:
     if args.device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else peak_rss_bytes()
+    peak = peak_bytes(args.device)
     return {"chunk": args.point, "loss": float(loss), "peak_bytes": peak - base, "seconds": seconds,
             "grad_norm": float(weight.grad.float().norm())}
 
 
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def current_bytes(device: str) -> int:
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.memory_allocated()
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
-
-
 def measure(chunk: int) -> dict:
-    argv = [sys.executable, __file__, *sys.argv[1:], "--point", str(chunk)]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return run_child(__file__, [*sys.argv[1:], "--point", str(chunk)])
 
 
 def main(argv: list[str] | None = None) -> None:

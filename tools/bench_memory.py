@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.process_memory import current_bytes, peak_bytes, run_child  # noqa: E402
 
 GiB, MiB = 2**30, 2**20
 
@@ -110,24 +108,16 @@ def measure_rss(cfg) -> int:
     import torch
 
     step, device = build_step(cfg)
+    base = current_bytes(device.type)
     if device.type == "cuda":
-        base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    else:
-        with open("/proc/self/statm") as statm:
-            base = int(statm.read().split()[1]) * resource.getpagesize()
     step()
     step()
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() - base
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return peak_bytes(device.type) - base
 
 
 def child(kind: str, argv: list[str]) -> int:
-    cmd = [sys.executable, __file__, *argv, "--measure", kind]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-    return int(out.strip().splitlines()[-1])
+    return int(run_child(__file__, [*argv, "--measure", kind]))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.process_memory import current_bytes, peak_bytes, run_child  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,31 +91,12 @@ def run_point(args: argparse.Namespace) -> dict:
     for _ in range(args.repeats):
         step()
     seconds = (time.perf_counter() - start) / args.repeats
-    peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else peak_rss_bytes()
+    peak = peak_bytes(args.device)
     return {"n": n, "k": k, "step_bytes": peak - base, "step_seconds": seconds}
 
 
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def current_bytes(device: str) -> int:
-    """Memory held before the first step (model, optimizer, inputs): the step's own use is measured above it."""
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.memory_allocated()
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
-
-
 def measure(args: argparse.Namespace, n: int, k: int) -> dict:
-    argv = [sys.executable, __file__, *sys.argv[1:], "--point", f"{n},{k}"]
-    # Tensors above 64 KiB get their own mapping, returned to the OS when freed, so peak RSS tracks
-    # peak live memory instead of glibc's heap high-water mark.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return run_child(__file__, [*sys.argv[1:], "--point", f"{n},{k}"])
 
 
 def main(argv: list[str] | None = None) -> None:
