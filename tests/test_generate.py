@@ -292,6 +292,22 @@ def test_bench_memory_quotes_the_llama_retrofit_cache(capsys) -> None:
         ["32", "latest", "14", f"{14 * 2 * 8 * 2048 * 64 * 2 / 2**20:.1f}", "1.00"],
     ]
 
+def test_bench_speed_times_every_engine_in_interleaved_rounds(capsys) -> None:
+    """The speed table docs/benchmarks.md quotes: one row per engine, ratios to ``cat`` from the same rounds."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_generate", REPO / "tools" / "bench_generate.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["speed", "--dim", "32", "--heads", "2", "--kv-heads", "1", "--ffn", "64", "--vocab", "64",
+                "--batch-sizes", "2", "--recurrences", "3", "--prompt-len", "4", "--new-tokens", "6", "--rounds", "2"])
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| 2 ")]
+    assert [row[2] for row in rows] == ["cat", "full", "latest"]
+    assert rows[0][5:7] == ["1.00", "1.00"] and all(float(row[5]) > 0 for row in rows)
+    assert float(rows[2][7]) < float(rows[1][7])  # latest holds fewer slots than full at r = 3
+
+
 # --- warm start and sampling --------------------------------------------------------------------
 
 
@@ -374,9 +390,9 @@ def test_bad_prompts_are_one_line_errors(model: RecurrentLM) -> None:
 
 
 def test_compiled_decode_step_is_one_graph_for_every_iteration_and_token(model, monkeypatch) -> None:
-    """Static cache shapes, slots chosen outside the graph: no recompile per token or iteration.
+    """A symbolic key length, slots chosen outside the graph: no recompile per token or iteration.
     (backend aot_eager: the graph capture and functionalised cache writes are what is tested;
-    tools/bench_generate.py --compile runs inductor.)"""
+    tools/bench_generate.py --compile runs inductor with its C++ wrapper.)"""
     import functools
 
     import torch._dynamo

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="float32", help="model dtype: float32 (default) or bfloat16")
-    parser.add_argument("--compile", action="store_true", help="compile the core iteration (static cache shapes)")
+    parser.add_argument("--compile", action="store_true", help="compile the decoded tokens' core iteration (one graph; C++ wrapper on CPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (see above)")
     return parser
 

@@ -51,9 +51,8 @@ class KVCache:
 
     ``length`` is the number of columns written (the next step writes from there); columns follow
     the padded batch, so every row writes the same columns and left padding is masked by the
-    attention mask. ``static_shapes`` makes attention read the whole buffer (masked), so a decode
-    step has the same shapes at every token (for ``torch.compile``); otherwise it reads the written
-    prefix only, which is cheaper in eager mode.
+    attention mask. Attention reads the written prefix only (a view: no copy), so its cost grows
+    with the tokens cached, not with the capacity.
     """
 
     def __init__(
@@ -70,12 +69,10 @@ class KVCache:
         kv_sharing: str = "full",
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        static_shapes: bool = False,
     ) -> None:
         self.kv_sharing = kv_sharing
         self.num_steps = num_steps
         self.slots_per_block = core_slots_per_block(kv_sharing, num_steps) if n_core else 0
-        self.static_shapes = static_shapes
         self.length = 0
         self.key_length = 0
         self.write_index = torch.zeros(0, dtype=torch.long, device=device)
@@ -94,8 +91,7 @@ class KVCache:
 
     @classmethod
     def for_model(
-        cls, model: torch.nn.Module, batch_size: int, capacity: int, num_steps: int, kv_sharing: str = "full",
-        static_shapes: bool = False,
+        cls, model: torch.nn.Module, batch_size: int, capacity: int, num_steps: int, kv_sharing: str = "full"
     ) -> "KVCache":
         """A cache for ``model`` (a RecurrentLM), in its parameters' dtype and device."""
         a = model.args
@@ -103,7 +99,7 @@ class KVCache:
         return cls(
             batch_size=batch_size, capacity=capacity, n_prelude=a.n_prelude, n_core=a.n_core, n_coda=a.n_coda,
             n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, num_steps=num_steps, kv_sharing=kv_sharing,
-            dtype=weight.dtype, device=weight.device, static_shapes=static_shapes,
+            dtype=weight.dtype, device=weight.device,
         )
 
     @staticmethod
@@ -133,7 +129,7 @@ class KVCache:
         if end > self.capacity:
             self._grow(end)
         self.write_index = torch.arange(self.length, end, device=self.write_index.device)
-        self.key_length = self.capacity if self.static_shapes else end
+        self.key_length = end
         return self.key_length
 
     def update(
@@ -156,8 +152,6 @@ class KVCache:
                 kept = buffer.index_select(2, self.write_index)
                 new = torch.where(self.write_rows[:, None, None, None], new, kept)
             buffer.index_copy_(2, self.write_index, new)
-        if self.static_shapes:
-            return keys, values
         return keys[:, :, : self.key_length], values[:, :, : self.key_length]
 
     def iteration_view(self, iteration: int) -> "IterationView":

@@ -28,8 +28,6 @@ EXIT_CRITERIA = ("kl", "latent-diff", "entropy-diff", "argmax")
 DEFAULT_EXIT_THRESHOLDS = {"kl": 1e-3, "latent-diff": 0.03, "entropy-diff": 1e-3, "argmax": 5.0}
 # state_init of a decoded token that starts from the previous token's final state (continuous compute).
 WARM_START = "previous"
-# A compiled decode step's cache is sized in multiples of this many tokens (one graph per multiple).
-COMPILED_CAPACITY_MULTIPLE = 256
 
 
 @dataclass
@@ -46,8 +44,7 @@ class GenerationOptions:
     final state; the prompt from the deterministic eval init); None = the eval init.
     temperature 0 is greedy; otherwise sampling with top_p from a generator seeded by ``seed``.
     compile: run decoded tokens' core iterations through ``torch.compile`` (one graph for every
-    iteration and token: the cache then keeps static shapes, attention reading whole buffers, sized
-    in multiples of COMPILED_CAPACITY_MULTIPLE).
+    iteration and token: the key length is symbolic; see ``decode_compile_options``).
     """
 
     max_new_tokens: int = 32
@@ -166,10 +163,7 @@ def generate(
     check_prompts(attention_mask, opts.max_new_tokens, model.args.max_seq_len)
     bsz, width = input_ids.shape
     device = input_ids.device
-    capacity = width + opts.max_new_tokens
-    if opts.compile:  # calls of different lengths then share compiled graphs
-        capacity = -(-capacity // COMPILED_CAPACITY_MULTIPLE) * COMPILED_CAPACITY_MULTIPLE
-    cache = KVCache.for_model(model, bsz, capacity, opts.num_steps, opts.kv_sharing, static_shapes=opts.compile)
+    cache = KVCache.for_model(model, bsz, width + opts.max_new_tokens, opts.num_steps, opts.kv_sharing)
     # Which cache columns hold a real token: the prompt's, then each decoded one.
     keys = torch.zeros(bsz, cache.capacity, dtype=torch.bool, device=device)
     keys[:, :width] = attention_mask.bool()
@@ -247,6 +241,16 @@ def choose_tokens(
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+def decode_compile_options(device: torch.device) -> dict[str, bool]:
+    """Inductor options of the compiled decode iteration.
+
+    A decoded token's iteration is a few one-row matmuls, so on a CPU the graph's Python wrapper (one
+    call per kernel) costs as much as its work; ``cpp_wrapper`` makes the whole graph one C++ call
+    (docs/benchmarks.md, "Generation"). On a GPU the default wrapper is kept: not measured there yet.
+    """
+    return {"cpp_wrapper": True} if torch.device(device).type == "cpu" else {}
+
+
 @dataclass
 class _Step:
     logits: torch.Tensor  # (B, V) next-token logits at the step's last position
@@ -261,8 +265,12 @@ class _Decoder:
     def __init__(self, model: RecurrentLM, cache: KVCache, opts: GenerationOptions) -> None:
         self.model, self.cache, self.opts = model, cache, opts
         self.prompt_init = model.args.eval_state_init if opts.state_init == WARM_START else opts.state_init
-        core = model.core
-        self.compiled_iteration = torch.compile(core.iteration, dynamic=False) if opts.compile and core else None
+        self.compiled_iteration = None
+        if opts.compile and model.core is not None:
+            device = model.embed_tokens.weight.device
+            self.compiled_iteration = torch.compile(
+                model.core.iteration, dynamic=True, options=decode_compile_options(device)
+            )
 
     def iterate(self, i: int, state: torch.Tensor, injected: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Core iteration i (0-based); a decoded token's goes through the compiled iteration when compiling."""
