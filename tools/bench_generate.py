@@ -6,10 +6,10 @@ fp32), by
 - ``cat``: the decoder before the engine (kept here only, for comparison): K/V per (block, iteration)
   grown with ``torch.cat`` at every token, the attention mask grown the same way;
 - ``full``, ``latest``: the engine with its preallocated cache; ``--compile`` adds ``full+compile`` and
-  ``latest+compile`` (decoded tokens' core iterations compiled, static cache shapes).
+  ``latest+compile`` (decoded tokens' core iterations compiled, one graph).
 tokens/s counts new tokens of the whole batch (prompt included in the time) per second of wall time
-and per CPU second of this process (the figure to trust on a loaded CPU machine; on a GPU use wall).
-Each configuration is warmed up on the same shapes (stopping after 4 tokens), then timed.
+and per CPU second of this process (on a GPU use wall). Each configuration is warmed up on the same
+shapes (stopping after 4 tokens), then timed in --rounds interleaved rounds (medians; see run_speed).
 
 memory: the KV-cache bytes the engine allocates (KVCache.planned_bytes, no model built) for a source
 preset's retrofit, per kv_sharing mode and r.
@@ -30,6 +30,7 @@ with "full" at r, and mean core iterations per decoded token, for full at lower 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -96,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     speed.add_argument("--new-tokens", type=int, default=256)
     speed.add_argument("--engines", default="cat,full,latest", help="subset of cat,full,latest")
     speed.add_argument("--compile", action="store_true", help="also time the engine with compiled core iterations")
+    speed.add_argument("--rounds", type=int, default=3, help="timed runs of each engine, interleaved")
 
     memory = commands.add_parser("memory", help="KV-cache bytes of a source preset's retrofit per mode and r")
     memory.add_argument("--preset", default="llama3.2-1b", help="source preset (titan_recur.models.args.PRESETS)")
@@ -153,8 +155,7 @@ def engine_run(model: RecurrentLM, input_ids: torch.Tensor, r: int, kv_sharing: 
 
 
 def time_run(run, new_tokens: int, device: str) -> tuple[float, float, int]:
-    """(wall s, CPU s, cache bytes) of one run, after a warm-up on the same shapes that stops at 4 tokens."""
-    run(new_tokens, 4)
+    """(wall s, CPU s, cache bytes) of one run of ``new_tokens``."""
     synchronize(device)
     wall, cpu = time.perf_counter(), time.process_time()
     nbytes = run(new_tokens, new_tokens)
@@ -163,11 +164,14 @@ def time_run(run, new_tokens: int, device: str) -> tuple[float, float, int]:
 
 
 def run_speed(args: argparse.Namespace) -> None:
+    """Every engine warmed up (a run stopping at 4 tokens), then --rounds rounds timing each engine once in
+    turn; per engine the median over rounds of tokens/s and of its ratio to ``cat`` in the same round, so
+    a slow drift of a shared machine's speed cancels out of the ratios."""
     model = build_model(args)
     engines = args.engines.split(",")
     print(f"# {args.shape} d={args.dim} heads={args.heads}/{args.kv_heads} ffn={args.ffn} vocab={args.vocab} "
           f"{args.dtype} {args.device}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-          f"threads={torch.get_num_threads()}")
+          f"threads={torch.get_num_threads()}, median of {args.rounds} rounds")
     print("| batch | r | engine | tokens/s (wall) | tokens/s (CPU s) | vs cat (wall) | vs cat (CPU s) | KV cache MiB |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|")
     for bsz in (int(v) for v in args.batch_sizes.split(",")):
@@ -176,20 +180,29 @@ def run_speed(args: argparse.Namespace) -> None:
         for r in (int(v) for v in args.recurrences.split(",")):
             runs = {}
             if "cat" in engines:
-                runs["cat"] = lambda new_tokens, stop_after: concat_generate(model, input_ids, stop_after, r)
+                runs["cat"] = lambda new_tokens, stop_after, r=r: concat_generate(model, input_ids, stop_after, r)
             for mode in ("full", "latest"):
                 if mode in engines:
                     runs[mode] = engine_run(model, input_ids, r, mode, compile=False)
                     if args.compile:
                         runs[f"{mode}+compile"] = engine_run(model, input_ids, r, mode, compile=True)
-            baseline = None
-            for name, run in runs.items():
-                wall, cpu, nbytes = time_run(run, args.new_tokens, args.device)
-                baseline = baseline or ((wall, cpu) if name == "cat" else None)
-                ratios = [f"{b / t:.2f}" for b, t in zip(baseline, (wall, cpu))] if baseline else ["-", "-"]
-                tokens = bsz * args.new_tokens
-                print(f"| {bsz} | {r} | {name} | {tokens / wall:.1f} | {tokens / cpu:.1f} | {ratios[0]} | {ratios[1]} | "
-                      f"{nbytes / 2**20:.2f} |", flush=True)
+            for run in runs.values():
+                run(args.new_tokens, 4)
+            timings = {name: [] for name in runs}
+            for _ in range(args.rounds):
+                for name, run in runs.items():
+                    timings[name].append(time_run(run, args.new_tokens, args.device))
+            tokens = bsz * args.new_tokens
+            for name, rows in timings.items():
+                wall = [row[0] for row in rows]
+                cpu = [row[1] for row in rows]
+                ratios = ["-", "-"]
+                if "cat" in timings:
+                    base = timings["cat"]
+                    ratios = [f"{statistics.median(b[i] / t[i] for b, t in zip(base, rows)):.2f}" for i in (0, 1)]
+                print(f"| {bsz} | {r} | {name} | {tokens / statistics.median(wall):.1f} | "
+                      f"{tokens / statistics.median(cpu):.1f} | {ratios[0]} | {ratios[1]} | {rows[0][2] / 2**20:.2f} |",
+                      flush=True)
 
 
 # --- memory -------------------------------------------------------------------------------------
