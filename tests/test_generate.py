@@ -400,7 +400,8 @@ def test_compiled_decode_step_is_one_graph_for_every_iteration_and_token(model, 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     torch._dynamo.reset()
     ids, mask = left_pad(prompts(), 0)
-    options = GenerationOptions(max_new_tokens=5, num_steps=4, exit_criterion="latent-diff", exit_threshold=0.9)
+    options = GenerationOptions(max_new_tokens=5, num_steps=4, exit_criterion="latent-diff", exit_threshold=0.9,
+                                state_init="previous")
     eager = generate(model, ids, options, attention_mask=mask)
     compiled = generate(model, ids, dataclasses.replace(options, compile=True), attention_mask=mask)
     assert compiled.tokens.tolist() == eager.tokens.tolist() and compiled.steps.tolist() == eager.steps.tolist()

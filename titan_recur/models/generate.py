@@ -192,7 +192,8 @@ def generate(
             break
         keys[:, width + t] = True
         positions = positions[:, -1:] + 1
-        warm = step.state[:, -1:] if opts.state_init == WARM_START else None
+        # Contiguous: the prompt's last state is a strided slice, which a compiled step would recompile for.
+        warm = step.state[:, -1:].contiguous() if opts.state_init == WARM_START else None
         fed = token if forced_tokens is None else forced_tokens[:, t]
         step = decoder.forward(fed[:, None], positions, keys, running=~finished, warm_state=warm)
     return GenerationOutput(
