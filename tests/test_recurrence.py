@@ -192,7 +192,7 @@ def test_total_mean_and_variance_match_theory(mean, mean_offset):
     assert 4 * var_se / want_var < 0.08
 
 
-@pytest.mark.parametrize(("mean", "mean_offset"), [(8, True), (32, False)])
+@pytest.mark.parametrize(("mean", "mean_offset"), [(32, True)])  # the paper configs' setting
 def test_total_variance_within_two_percent(mean, mean_offset):
     draws = 320_000
     totals = torch.tensor(

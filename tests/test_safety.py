@@ -481,12 +481,12 @@ def test_config_checks_the_new_bounds():
 
 @pytest.fixture(scope="module")
 def forked(model, tmp_path_factory) -> dict:
-    """The 2-rank scenarios, every rank forked from one worker that imported the trainer once: 10 kills
+    """The 2-rank scenarios, every rank forked from one worker that imported the trainer once: 7 kills
     per async_mode at seeded random moments inside saves (one random rank first), then two launches
     whose rank 1 is frozen by SIGSTOP after step 3 (the step watchdog; the collective timeout)."""
     root = tmp_path_factory.mktemp("forked")
     config = write_config(root / "run.toml", model, CORPUS_DATA)
-    steps, kills = 22, 10
+    steps, kills = 22, 7
     seed = int(os.environ.get("TITAN_RECUR_KILL_SEED", "20261202"))
     stall = ["--config", str(config), "--training.steps", "500", "--checkpoint.interval", "1000",
              "--checkpoint.export_final", "false"]
