@@ -23,8 +23,8 @@ with "full" at r, and mean core iterations per decoded token, for full at lower 
     python tools/bench_generate.py speed --device cuda --dtype bfloat16 --dim 2048 --heads 32 --kv-heads 8 \\
         --ffn 8192 --vocab 128256 --shape 4,6,4 --batch-sizes 1,8,32 --prompt-len 512 --compile
     python tools/bench_generate.py memory --preset llama3.2-1b --shape 4,6,4 --tokens 2048
-    OMP_NUM_THREADS=1 python tools/bench_generate.py quality --checkpoint outputs/gen_quality/final_model \\
-        --config train_configs/debug_model.toml --num-steps 8
+    OMP_NUM_THREADS=1 python tools/bench_generate.py quality --checkpoint outputs/demo/run/final_model \\
+        --config train_configs/debug_model.toml --num-steps 16 --lower-steps 1,2,4,8
 """
 
 from __future__ import annotations
