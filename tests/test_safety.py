@@ -246,6 +246,13 @@ def test_rewind_keeps_both_branches_and_resumes_the_new_one(runs):
 # -------------------------------------------------------------------------------------- fingerprint
 
 
+def assert_refused_before_writing(result: dict) -> str:
+    """A launch refused as bad input (exit 2) that changed nothing on disk; returns its error line."""
+    assert result["rc"] == EXIT_BAD_INPUT, result["stderr"][-2000:]
+    assert result["before"] == result["after"], "nothing written (no config.json, no TensorBoard file)"
+    return error_line(result)
+
+
 @pytest.mark.parametrize(
     "job, change",
     [
@@ -261,11 +268,8 @@ def test_rewind_keeps_both_branches_and_resumes_the_new_one(runs):
     ],
 )
 def test_each_change_of_the_run_settings_is_refused_on_resume(runs, job, change):
-    result = runs["results"][job]
-    assert result["rc"] == EXIT_BAD_INPUT, result["stderr"][-2000:]
-    line = error_line(result)
+    line = assert_refused_before_writing(runs["results"][job])
     assert "step-8 was written with other settings: " in line and change in line, line
-    assert result["before"] == result["after"]
 
 
 def test_an_allowed_change_resumes(runs):
@@ -360,10 +364,8 @@ def test_a_loss_spike_stops_or_is_skipped(runs):
     ],
 )
 def test_bad_input_is_one_line_before_anything_is_written(runs, job, message):
-    result = runs["results"][job]
-    assert result["rc"] == EXIT_BAD_INPUT, result["stderr"][-2000:]
-    assert message in error_line(result)
-    assert result["before"] == result["after"], "nothing written (no config.json, no TensorBoard file)"
+    line = assert_refused_before_writing(runs["results"][job])
+    assert message in line, line
 
 
 def test_bad_data_mid_run_is_one_line_naming_the_last_checkpoint(runs):
