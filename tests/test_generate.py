@@ -365,6 +365,7 @@ def test_sampling_is_seeded(model: RecurrentLM) -> None:
         (dict(exit_threshold=0.1), "exit_threshold needs an exit_criterion"),
         (dict(min_steps=5), r"min_steps must be an integer in \[1, max_steps = num_steps = 4\]"),
         (dict(check_every=0), "check_every"),
+        (dict(iterations_per_call=0), "iterations_per_call"),
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(state_init="warm"), "state_init must be one of"),
         (dict(temperature=-1.0), "temperature"),
@@ -401,6 +402,7 @@ def test_compiled_decode_step_is_one_graph_for_every_iteration_and_token(model, 
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     ids, mask = left_pad(prompts(), 0)
     options = GenerationOptions(max_new_tokens=5, num_steps=4, exit_criterion="latent-diff", exit_threshold=0.9,
                                 state_init="previous")
@@ -409,6 +411,38 @@ def test_compiled_decode_step_is_one_graph_for_every_iteration_and_token(model, 
     assert compiled.tokens.tolist() == eager.tokens.tolist() and compiled.steps.tolist() == eager.steps.tolist()
     assert len(set(eager.steps[:, 1:].flatten().tolist())) > 1  # masked writes of frozen rows were compiled too
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    "knobs, lengths",
+    [
+        # fixed depth 5 in calls of at most 2 iterations: 2, 2, 1
+        (dict(num_steps=5, kv_sharing="compress-2"), {2, 1}),
+        # exit checks after 3, 5, 7 iterations of 8: runs of 3, 2, 2, 1, split into calls of 2 and 1
+        (dict(num_steps=8, exit_criterion="kl", exit_threshold=0.1, min_steps=3, check_every=2), {2, 1}),
+    ],
+)
+def test_compiled_decode_runs_several_iterations_per_call(model, monkeypatch, knobs, lengths) -> None:
+    """iterations_per_call unrolls up to that many iterations into one compiled call (fewer calls'
+    fixed cost per token): one graph per call length, and the tokens and depths of eager decoding."""
+    import functools
+
+    import torch._dynamo
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ids, mask = left_pad(prompts(), 0)
+    options = GenerationOptions(max_new_tokens=5, iterations_per_call=2, **knobs)
+    eager = generate(model, ids, options, attention_mask=mask, return_logits=True)
+    compiled = generate(model, ids, dataclasses.replace(options, compile=True), attention_mask=mask,
+                        return_logits=True)
+    assert compiled.tokens.tolist() == eager.tokens.tolist() and compiled.steps.tolist() == eager.steps.tolist()
+    torch.testing.assert_close(compiled.logits, eager.logits, atol=ATOL, rtol=0)
+    if "exit_criterion" in knobs:
+        assert len(set(eager.steps[:, 1:].flatten().tolist())) > 1  # rows exit at different checks
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(lengths)
     torch._dynamo.reset()
 
 

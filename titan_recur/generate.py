@@ -61,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="float32", help="model dtype: float32 (default) or bfloat16")
-    parser.add_argument("--compile", action="store_true", help="compile the decoded tokens' core iteration (one graph; C++ wrapper on CPU)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the decoded tokens' core iterations (C++ wrapper on CPU)")
+    parser.add_argument("--iterations-per-call", type=int, default=GenerationOptions.iterations_per_call,
+                        help="with --compile: core iterations per compiled call (default "
+                        f"{GenerationOptions.iterations_per_call}; fewer = shorter first compile)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (see above)")
     return parser
 
@@ -100,6 +104,7 @@ def options_from_args(args: argparse.Namespace, eos_id: int) -> GenerationOption
         exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold, min_steps=args.min_steps,
         check_every=args.check_every, state_init=args.state_init, temperature=args.temperature, top_p=args.top_p,
         seed=args.seed, eos_id=eos_id, compile=args.compile,
+        iterations_per_call=args.iterations_per_call,
     )
 
 

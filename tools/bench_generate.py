@@ -6,7 +6,7 @@ fp32), by
 - ``cat``: the decoder before the engine (kept here only, for comparison): K/V per (block, iteration)
   grown with ``torch.cat`` at every token, the attention mask grown the same way;
 - ``full``, ``latest``: the engine with its preallocated cache; ``--compile`` adds ``full+compile`` and
-  ``latest+compile`` (decoded tokens' core iterations compiled, one graph).
+  ``latest+compile`` (decoded tokens' core iterations compiled, --iterations-per-call per call).
 tokens/s counts new tokens of the whole batch (prompt included in the time) per second of wall time
 and per CPU second of this process (on a GPU use wall). Each configuration is warmed up on the same
 shapes (stopping after 4 tokens), then timed in --rounds interleaved rounds (medians; see run_speed).
@@ -98,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     speed.add_argument("--engines", default="cat,full,latest", help="subset of cat,full,latest")
     speed.add_argument("--compile", action="store_true", help="also time the engine with compiled core iterations")
     speed.add_argument("--rounds", type=int, default=3, help="timed runs of each engine, interleaved")
+    speed.add_argument("--iterations-per-call", type=int, default=GenerationOptions.iterations_per_call,
+                       help="core iterations per compiled call (GenerationOptions.iterations_per_call)")
 
     memory = commands.add_parser("memory", help="KV-cache bytes of a source preset's retrofit per mode and r")
     memory.add_argument("--preset", default="llama3.2-1b", help="source preset (titan_recur.models.args.PRESETS)")
@@ -145,9 +147,11 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def engine_run(model: RecurrentLM, input_ids: torch.Tensor, r: int, kv_sharing: str, compile: bool):
+def engine_run(model: RecurrentLM, input_ids: torch.Tensor, r: int, kv_sharing: str, compile: bool,
+               iterations_per_call: int):
     def run(new_tokens: int, stop_after: int) -> int:
-        options = GenerationOptions(max_new_tokens=new_tokens, num_steps=r, kv_sharing=kv_sharing, compile=compile)
+        options = GenerationOptions(max_new_tokens=new_tokens, num_steps=r, kv_sharing=kv_sharing, compile=compile,
+                                    iterations_per_call=iterations_per_call)
         stop = lambda tokens: torch.full((tokens.shape[0],), tokens.shape[1] >= stop_after)  # noqa: E731
         return generate(model, input_ids, options, stop=stop).kv_cache_bytes
 
@@ -171,7 +175,8 @@ def run_speed(args: argparse.Namespace) -> None:
     engines = args.engines.split(",")
     print(f"# {args.shape} d={args.dim} heads={args.heads}/{args.kv_heads} ffn={args.ffn} vocab={args.vocab} "
           f"{args.dtype} {args.device}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-          f"threads={torch.get_num_threads()}, median of {args.rounds} rounds")
+          f"threads={torch.get_num_threads()}, median of {args.rounds} rounds"
+          + (f", {args.iterations_per_call} iterations per compiled call" if args.compile else ""))
     print("| batch | r | engine | tokens/s (wall) | tokens/s (CPU s) | vs cat (wall) | vs cat (CPU s) | KV cache MiB |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|")
     for bsz in (int(v) for v in args.batch_sizes.split(",")):
@@ -183,9 +188,9 @@ def run_speed(args: argparse.Namespace) -> None:
                 runs["cat"] = lambda new_tokens, stop_after, r=r: concat_generate(model, input_ids, stop_after, r)
             for mode in ("full", "latest"):
                 if mode in engines:
-                    runs[mode] = engine_run(model, input_ids, r, mode, compile=False)
+                    runs[mode] = engine_run(model, input_ids, r, mode, False, args.iterations_per_call)
                     if args.compile:
-                        runs[f"{mode}+compile"] = engine_run(model, input_ids, r, mode, compile=True)
+                        runs[f"{mode}+compile"] = engine_run(model, input_ids, r, mode, True, args.iterations_per_call)
             for run in runs.values():
                 run(args.new_tokens, 4)
             timings = {name: [] for name in runs}

@@ -36,7 +36,8 @@ class TitanRecurLM(TemplateLM):
     model's mean_recurrence), batch_size, device, dtype (float32|bfloat16), max_length, max_gen_toks,
     state_init (default: deterministic, see ModelArgs.eval_state_init; "previous" warm-starts generated
     tokens), tokenizer=FOLDER (default: the model folder); for generation: kv_sharing (full|latest|compress-N),
-    exit_criterion (kl|latent-diff|entropy-diff|argmax), exit_threshold, min_steps, check_every, compile.
+    exit_criterion (kl|latent-diff|entropy-diff|argmax), exit_threshold, min_steps, check_every, compile,
+    iterations_per_call (core iterations per compiled call).
 
     ``num_steps`` and ``exit_threshold`` may be changed between evaluations of the same instance (the
     harness sweep does). ``depth_stats`` accumulates, per task, generated tokens and the core iterations
@@ -61,6 +62,7 @@ class TitanRecurLM(TemplateLM):
         min_steps: int = 1,
         check_every: int = 1,
         compile: bool = False,
+        iterations_per_call: int = GenerationOptions.iterations_per_call,
     ) -> None:
         super().__init__()
         if str(batch_size).startswith("auto"):
@@ -80,6 +82,7 @@ class TitanRecurLM(TemplateLM):
             kv_sharing=kv_sharing, exit_criterion=exit_criterion,
             exit_threshold=None if exit_threshold is None else float(exit_threshold), min_steps=int(min_steps),
             check_every=int(check_every), state_init=state_init, compile=bool(compile),
+            iterations_per_call=int(iterations_per_call),
         )
         self.num_steps = self.model.args.mean_recurrence if num_steps is None else int(num_steps)
         self.depth_stats: dict[str, list[int]] = {}

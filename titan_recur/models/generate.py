@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from titan_recur.models.args import STATE_INITS, ModelArgs
 from titan_recur.models.blocks import AttentionContext
-from titan_recur.models.cache import KVCache, core_slots_per_block
+from titan_recur.models.cache import IterationView, KVCache, core_slots_per_block
 from titan_recur.models.model import RecurrentLM
 
 EXIT_CRITERIA = ("kl", "latent-diff", "entropy-diff", "argmax")
@@ -43,8 +43,11 @@ class GenerationOptions:
     state_init: a STATE_INITS name, or "previous" (decoded tokens start from the previous token's
     final state; the prompt from the deterministic eval init); None = the eval init.
     temperature 0 is greedy; otherwise sampling with top_p from a generator seeded by ``seed``.
-    compile: run decoded tokens' core iterations through ``torch.compile`` (one graph for every
-    iteration and token: the key length is symbolic; see ``decode_compile_options``).
+    compile: run decoded tokens' core iterations through ``torch.compile``, ``iterations_per_call`` of
+    them per compiled call (the run of iterations up to the next exit check, split into pieces of at
+    most that many): one graph per piece length, for every token (the key length is symbolic; see
+    ``decode_compile_options``). More per call means fewer calls' fixed cost per token, and a longer
+    first compile (the graph unrolls them).
     """
 
     max_new_tokens: int = 32
@@ -60,6 +63,7 @@ class GenerationOptions:
     seed: int = 0
     eos_id: int | None = None
     compile: bool = False
+    iterations_per_call: int = 8
 
     def resolve(self, args: ModelArgs) -> "GenerationOptions":
         """A copy with the model's defaults filled in; a one-line ValueError for any bad knob."""
@@ -93,6 +97,8 @@ class GenerationOptions:
             )
         if not _is_int(self.check_every) or self.check_every < 1:
             raise ValueError(f"check_every must be an integer >= 1, got {self.check_every!r}")
+        if not _is_int(self.iterations_per_call) or self.iterations_per_call < 1:
+            raise ValueError(f"iterations_per_call must be an integer >= 1, got {self.iterations_per_call!r}")
         if self.state_init not in (*STATE_INITS, WARM_START):
             raise ValueError(f"state_init must be one of {', '.join((*STATE_INITS, WARM_START))}, got {self.state_init!r}")
         if not self.temperature >= 0:
@@ -103,6 +109,10 @@ class GenerationOptions:
     def is_check(self, iteration: int) -> bool:
         """Whether a token may exit after ``iteration`` (1-based) core iterations."""
         return iteration >= self.min_steps and (iteration - self.min_steps) % self.check_every == 0
+
+    def next_check(self, done: int) -> int:
+        """The iteration count after ``done`` at which the next exit check falls, or num_steps if none does."""
+        return next((i for i in range(done + 1, self.num_steps) if self.is_check(i)), self.num_steps)
 
 
 def _is_int(value: object) -> bool:
@@ -252,6 +262,25 @@ def decode_compile_options(device: torch.device) -> dict[str, bool]:
     return {"cpp_wrapper": True} if torch.device(device).type == "cpu" else {}
 
 
+def run_core_iterations(
+    core: torch.nn.Module,
+    state: torch.Tensor,
+    injected: torch.Tensor,
+    ctx: AttentionContext,
+    views: tuple[IterationView, ...],
+    active: torch.Tensor | None,
+) -> torch.Tensor:
+    """One core iteration per cache view, in order; rows not ``active`` keep their state (None: all run).
+
+    The unit the engine compiles: iteration indices never enter it, only same-shaped views, so one
+    graph serves every run of ``len(views)`` iterations of every token.
+    """
+    for view in views:
+        new_state = core.iteration(state, injected, dataclasses.replace(ctx, cache=view))
+        state = new_state if active is None else torch.where(active[:, None, None], new_state, state)
+    return state
+
+
 @dataclass
 class _Step:
     logits: torch.Tensor  # (B, V) next-token logits at the step's last position
@@ -266,19 +295,33 @@ class _Decoder:
     def __init__(self, model: RecurrentLM, cache: KVCache, opts: GenerationOptions) -> None:
         self.model, self.cache, self.opts = model, cache, opts
         self.prompt_init = model.args.eval_state_init if opts.state_init == WARM_START else opts.state_init
-        self.compiled_iteration = None
+        self.compiled_iterations = None
         if opts.compile and model.core is not None:
             device = model.embed_tokens.weight.device
-            self.compiled_iteration = torch.compile(
-                model.core.iteration, dynamic=True, options=decode_compile_options(device)
+            self.compiled_iterations = torch.compile(
+                run_core_iterations, dynamic=True, options=decode_compile_options(device)
             )
 
-    def iterate(self, i: int, state: torch.Tensor, injected: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """Core iteration i (0-based); a decoded token's goes through the compiled iteration when compiling."""
-        if self.compiled_iteration is None or state.shape[1] > 1:
-            return self.model.core.iteration(state, injected, ctx.at_iteration(i))
-        # The view has chosen iteration i's slots; ctx.iteration stays 0 so no int reaches the graph.
-        return self.compiled_iteration(state, injected, dataclasses.replace(ctx, cache=self.cache.iteration_view(i)))
+    def iterate(
+        self,
+        start: int,
+        stop: int,
+        state: torch.Tensor,
+        injected: torch.Tensor,
+        ctx: AttentionContext,
+        active: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Core iterations start .. stop - 1 (0-based); a decoded token's go through the compiled unit,
+        ``iterations_per_call`` at a time, when compiling (the prompt's shapes are its own: eager)."""
+        views = tuple(self.cache.iteration_view(i) for i in range(start, stop))
+        if self.compiled_iterations is None or state.shape[1] > 1:
+            return run_core_iterations(self.model.core, state, injected, ctx, views, active)
+        per_call = self.opts.iterations_per_call
+        for first in range(0, len(views), per_call):
+            state = self.compiled_iterations(
+                self.model.core, state, injected, ctx, views[first : first + per_call], active
+            )
+        return state
 
     def forward(
         self,
@@ -311,8 +354,7 @@ class _Decoder:
         return step
 
     def _fixed_depth(self, state: torch.Tensor, injected: torch.Tensor, ctx: AttentionContext) -> _Step:
-        for i in range(self.opts.num_steps):
-            state = self.iterate(i, state, injected, ctx)
+        state = self.iterate(0, self.opts.num_steps, state, injected, ctx)
         steps = torch.full((state.shape[0],), self.opts.num_steps, dtype=torch.long, device=state.device)
         return self._final(state, ctx, steps)
 
@@ -330,13 +372,16 @@ class _Decoder:
         steps = torch.zeros_like(running, dtype=torch.long)
         head_calls = torch.zeros_like(steps)
         logits = None
-        for i in range(1, opts.num_steps + 1):
+        done = 0
+        while done < opts.num_steps:
+            # The iterations up to the next check run with the same rows active: one run.
+            check = opts.next_check(done)
             cache.write_rows = active
-            new_state = self.iterate(i - 1, state, injected, ctx)
-            state = torch.where(active[:, None, None], new_state, state)
-            steps += active
-            if i == opts.num_steps or not opts.is_check(i):
-                continue
+            state = self.iterate(done, check, state, injected, ctx, active)
+            steps += active * (check - done)
+            done = check
+            if done == opts.num_steps:
+                break
             check_logits = None
             if criterion.needs_logits:
                 check_logits = model.head(model.coda_and_norm(state, ctx)[:, -1])
