@@ -245,7 +245,7 @@ def test_array_of_tables_errors_carry_the_path(tmp_path):
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ([], "set model.path (a converted model folder) or model.preset"),
+        ([], "set model.path (a converted model folder), model.preset, or an architecture to train from scratch"),
         (MODEL + ["--training.steps", "0"], "training.steps must be >= 1, got 0"),
         (MODEL + ["--recurrence.warmup_fraction", "1.5"], "recurrence.warmup_fraction must be in [0, 1], got 1.5"),
         (MODEL + ["--recurrence.start", "40"], "recurrence.mean_recurrence (32) must be >= recurrence.start (40)"),

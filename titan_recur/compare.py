@@ -147,6 +147,7 @@ class EvalSettings:
     tasks: list[str] = field(default_factory=list)
     data: str | None = None
     text_field: str = "text"
+    data_format: str = "text"  # 'prompt_completion': the loss on the completions only
     loss_batches: int = 8
     loss_batch_size: int = 8
     seq_len: int | None = None  # default: the run's training.seq_len
@@ -208,6 +209,7 @@ def _loss_batches(lm: Any, run: Run, settings: EvalSettings) -> list:
     return list(heldout_batches(
         lm.tokenizer, seq_len=settings.seq_len or run.config.training.seq_len, batch_size=settings.loss_batch_size,
         num_batches=settings.loss_batches, data=settings.data, text_field=settings.text_field,
+        data_format=settings.data_format,
     ))
 
 

@@ -34,6 +34,9 @@ AC_MODES: tuple[str, ...] = get_args(ACMode)
 # Fingerprint fields whose change on resume is safe by design (titan_recur.fingerprint; docs/checkpointing.md).
 AllowedChange = Literal["steps", "seq_len", "global_batch_size", "recurrence", "data"]
 ALLOWED_CHANGES: tuple[str, ...] = get_args(AllowedChange)
+# How a data source's records become tokens and labels (titan_recur.data; docs/data.md).
+DataFormat = Literal["text", "prompt_completion"]
+DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 
 _CLI = "command line"
 _TRUE = ("true", "1", "yes")
@@ -64,7 +67,8 @@ class Job:
 
 @dataclass
 class Model:
-    """What to train: a converted model folder, or a preset architecture without weights."""
+    """What to train: a converted model folder, a preset architecture without weights, or an architecture
+    of its own (model.dim, n_layers, n_heads, ffn_dim, vocab_size) trained from scratch."""
 
     path: str | None = opt(
         None,
@@ -84,6 +88,17 @@ class Model:
     init: Literal["load", "random"] = opt(
         "load", "'load' weights from model.path, or 'random' init (from scratch / debug)."
     )
+    dim: int | None = opt(
+        None,
+        "Pretraining from scratch (no path, no preset, init 'random'): the width of a Llama-family model of its "
+        "own; with n_layers, n_heads, ffn_dim and vocab_size. RoPE theta 10000, max_seq_len 4096, untied; "
+        "BOS/EOS from the tokenizer. Its final model exports (tools/export_hf.py) as a plain HF Llama folder.",
+    )
+    n_layers: int | None = opt(None, "From scratch: the number of blocks (model.shape splits them; default all static).")
+    n_heads: int | None = opt(None, "From scratch: attention heads (head_dim = dim / n_heads).")
+    n_kv_heads: int | None = opt(None, "From scratch: key/value heads (GQA); none = n_heads.")
+    ffn_dim: int | None = opt(None, "From scratch: the SwiGLU hidden width.")
+    vocab_size: int | None = opt(None, "From scratch: the embedding rows; at least the tokenizer's vocabulary.")
 
 
 @dataclass
@@ -262,6 +277,14 @@ class DataSource:
     )
     split: str = opt("train", "Dataset split.")
     weight: float = opt(1.0, "Relative sampling weight in the mixture.")
+    format: DataFormat = opt(
+        "text",
+        "'text': documents (text_field), loss on every token. 'prompt_completion': records of a prompt and a "
+        "completion (kinds jsonl, parquet, hf), packed as [BOS] prompt completion EOS with the loss on the "
+        "completion and EOS only (the prompt's tokens get the ignore label), as in SFT.",
+    )
+    prompt_field: str = opt("prompt", "format 'prompt_completion': the field holding the prompt (no loss).")
+    completion_field: str = opt("completion", "format 'prompt_completion': the field holding the completion.")
     sample_by: Literal["paragraph", "document", "line"] = opt(
         "paragraph",
         "kind 'text' only: one document per blank-line-separated paragraph, per file, or per line.",
@@ -694,8 +717,14 @@ def _require(ok: Any, message: str) -> None:
         raise ConfigError(f"invalid config: {message}")
 
 
+_ARCHITECTURE = ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size")
+
+
 def _validate_model(m: Model) -> None:
-    _require(m.path or m.preset, "set model.path (a converted model folder) or model.preset")
+    if any(getattr(m, f) is not None for f in (*_ARCHITECTURE, "n_kv_heads")):
+        return _validate_architecture(m)
+    _require(m.path or m.preset, "set model.path (a converted model folder), model.preset, or an architecture "
+             "to train from scratch (model.dim, n_layers, n_heads, ffn_dim, vocab_size)")
     if not m.preset:
         _require(not m.shape, "model.shape only applies with model.preset")
         return
@@ -708,6 +737,23 @@ def _validate_model(m: Model) -> None:
         raise ConfigError(f"invalid config: {err}") from None
     if not m.path:
         _require(m.init == "random", "model.preset has no weights: set model.init = 'random' (or use model.path)")
+
+
+def _validate_architecture(m: Model) -> None:
+    """An architecture of its own, from scratch: complete, consistent, and not mixed with a folder or preset."""
+    _require(not m.path and not m.preset, "model.dim, n_layers, ... describe a model trained from scratch: "
+             "drop model.path and model.preset (or drop the architecture fields)")
+    missing = [f"model.{f}" for f in _ARCHITECTURE if getattr(m, f) is None]
+    _require(not missing, f"training from scratch needs {', '.join(missing)} too")
+    _require(m.init == "random", "a model trained from scratch has no weights: set model.init = 'random'")
+    for f in (*_ARCHITECTURE, "n_kv_heads"):
+        value = getattr(m, f)
+        _require(value is None or value >= 1, f"model.{f} must be >= 1, got {value}")
+    _require(m.dim % m.n_heads == 0, f"model.dim ({m.dim}) must be a multiple of model.n_heads ({m.n_heads})")
+    kv = m.n_kv_heads or m.n_heads
+    _require(m.n_heads % kv == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({kv})")
+    _require(not m.shape or (len(m.shape) == 3 and min(m.shape) >= 0 and sum(m.shape) == m.n_layers),
+             f"model.shape must be P,R,C counts summing to model.n_layers ({m.n_layers}), got {m.shape}")
 
 
 def _validate_data(d: Data) -> None:
@@ -731,6 +777,9 @@ def _validate_data(d: Data) -> None:
         _require(s.path, f"{where} needs a path")
         _require(s.weight > 0, f"{where} weight must be > 0, got {s.weight}")
         _require(s.shuffle_buffer >= 0, f"{where} shuffle_buffer must be >= 0, got {s.shuffle_buffer}")
+        _require(s.format == "text" or s.kind in ("jsonl", "parquet", "hf"),
+                 f"{where} format 'prompt_completion' needs records with fields: kind jsonl, parquet or hf, "
+                 f"not {s.kind!r}")
         _require(s.kind == "hf" or (s.revision is None and not s.data_files),
                  f"{where} revision and data_files are for kind = 'hf' (a local {s.kind} source is its path)")
 

@@ -7,7 +7,9 @@ not use ``datasets.interleave_datasets`` or shuffle buffers: their resume is not
 
 Each source packs its own documents: ``[BOS] doc EOS`` (BOS where the tokenizer adds one)
 concatenated and cut into rows of ``seq_len + 1`` tokens; the tokens left over after a row start
-the source's next row, so nothing is dropped. Row ``i`` of a rank belongs to optimizer step
+the source's next row, so nothing is dropped. Every token travels with its label: the token itself,
+or IGNORE_INDEX where it carries no loss (the prompt of a ``prompt_completion`` record, a
+pre-tokenized ``labels`` column's -100s), so packing and resume keep the loss mask. Row ``i`` of a rank belongs to optimizer step
 ``i // rows_per_step``; the step picks the phase, and a generator seeded by (seed, rank, split, i)
 picks the source, so the mixture and the phase switches need no signal from the trainer and
 replay identically on resume. Documents whose content hash falls below
@@ -51,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 _BUILDERS = {"text": "text", "jsonl": "json", "parquet": "parquet", "tokenized": "parquet"}
 TOKENS_COLUMN = "input_ids"
+LABELS_COLUMN = "labels"  # optional in pre-tokenized data: per-token labels, IGNORE_INDEX (-100) = no loss
 _SPLITS = ("train", "validation")
 _DOCS_PER_READ = 64  # documents per datasets batch (the resume point is the start of a batch)
 _STATE_KEY = "titan_recur_packed_dataset"
@@ -69,11 +72,30 @@ def _source_key(s: DataSource) -> str:
     key = f"{s.kind}:{s.path}:{s.hf_config}:{s.split}:{s.text_field}:{s.sample_by}"
     if s.revision is not None or s.data_files:  # appended only when set: older checkpoints keep their keys
         key += f":{s.revision}:{','.join(s.data_files)}"
+    if s.format != "text":
+        key += f":{s.format}:{s.prompt_field}:{s.completion_field}"
     return key
 
 
-def _column(s: DataSource) -> str:
-    return TOKENS_COLUMN if s.kind == "tokenized" else s.text_field
+def _fields(s: DataSource) -> list[str]:
+    """The columns a source's documents are read from (pre-tokenized labels are added when present)."""
+    if s.kind == "tokenized":
+        return [TOKENS_COLUMN]
+    if s.format == "prompt_completion":
+        return [s.prompt_field, s.completion_field]
+    return [s.text_field]
+
+
+def _documents(columns: dict[str, list], fields: list[str]) -> list:
+    """A read batch as documents: a column's values, or tuples (prompt, completion) / (ids, labels)."""
+    return list(columns[fields[0]]) if len(fields) == 1 else list(zip(*(columns[f] for f in fields)))
+
+
+def read_documents(ds: datasets.IterableDataset, s: DataSource, batch_size: int) -> Iterator[list]:
+    """An opened source's documents (open_source) in batches, in file order."""
+    fields = _read_fields(s, ds)
+    for batch in ds.iter(batch_size=batch_size):
+        yield _documents(batch, fields)
 
 
 def _source_files(s: DataSource) -> list[str]:
@@ -130,47 +152,79 @@ def open_source(s: DataSource) -> datasets.IterableDataset:
             ds = datasets.load_dataset(_BUILDERS[s.kind], data_files=files, split="train", streaming=True, **kwargs)
     except StopIteration:  # the json builder reads a first batch to infer the columns
         raise ValueError(f"data source {s.name or s.path!r}: empty dataset ({s.path})") from None
-    if ds.column_names is not None and _column(s) not in ds.column_names:
+    fields = _fields(s)
+    missing = [f for f in fields if ds.column_names is not None and f not in ds.column_names]
+    if missing:
         raise ValueError(
-            f"data source {s.name or s.path!r}: field {_column(s)!r} not found in {s.path} (columns: {ds.column_names})"
+            f"data source {s.name or s.path!r}: field {missing[0]!r} not found in {s.path} (columns: {ds.column_names})"
         )
-    return ds.select_columns([_column(s)])
+    return ds.select_columns(_read_fields(s, ds))
+
+
+def _read_fields(s: DataSource, ds: datasets.IterableDataset) -> list[str]:
+    """_fields, plus a pre-tokenized source's labels column when it has one."""
+    has_labels = s.kind == "tokenized" and LABELS_COLUMN in (ds.column_names or [])
+    return _fields(s) + ([LABELS_COLUMN] if has_labels else [])
 
 
 class SourceExhausted(Exception):
     """A single-pass source has no document left."""
 
 
-def _held_out(doc: str | list[int], fraction: float) -> bool:
+def _content_bytes(doc: Any) -> bytes:
+    if isinstance(doc, tuple):  # (prompt, completion) or (ids, labels)
+        return b"\x00".join(_content_bytes(part) for part in doc)
+    return doc.encode() if isinstance(doc, str) else np.asarray(doc, dtype=np.int64).tobytes()
+
+
+def _held_out(doc: Any, fraction: float) -> bool:
     """Deterministic validation membership from the document's content (independent of ranks/workers)."""
     if fraction <= 0:
         return False
-    data = doc.encode() if isinstance(doc, str) else np.asarray(doc, dtype=np.int64).tobytes()
+    data = _content_bytes(doc)
     h = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
     return h < fraction * 2**64
 
 
-def is_empty(doc: str | None) -> bool:
-    """Blank paragraphs/lines and missing fields are skipped: they would only add BOS/EOS."""
-    return doc is None or not doc.strip()
+def is_empty(doc: Any) -> bool:
+    """Blank paragraphs/lines and missing fields are skipped: they would only add BOS/EOS. A prompt-completion
+    record is never empty (check_text refuses one without its fields)."""
+    return not isinstance(doc, tuple) and (doc is None or not doc.strip())
 
 
 def check_text(doc: Any, s: DataSource) -> None:
-    """A text field must hold strings (a number or a list would only fail later, inside the tokenizer)."""
-    if doc is not None and not isinstance(doc, str):
+    """A text field must hold strings (a number or a list would only fail later, inside the tokenizer); a
+    prompt-completion record must have both fields."""
+    if isinstance(doc, tuple):
+        for name, value in zip((s.prompt_field, s.completion_field), doc):
+            if value is None:
+                raise DataError(f"data source {s.name or s.path!r}: a record without the {name!r} field "
+                                f"(format 'prompt_completion' needs {s.prompt_field!r} and {s.completion_field!r})")
+            _check_string(value, name, s)
+    elif doc is not None:
+        _check_string(doc, s.text_field, s)
+
+
+def _check_string(value: Any, field: str, s: DataSource) -> None:
+    if not isinstance(value, str):
         raise DataError(
-            f"data source {s.name or s.path!r}: field {s.text_field!r} holds {type(doc).__name__} "
-            f"{str(doc)[:40]!r}, not text"
+            f"data source {s.name or s.path!r}: field {field!r} holds {type(value).__name__} "
+            f"{str(value)[:40]!r}, not text"
         )
 
 
-def check_token_ids(row: list[int], vocab_size: int, where: str) -> None:
-    """Pre-tokenized ids must be ids of this run's tokenizer (beyond the embedding they crash the step)."""
+def check_token_ids(row: list[int], vocab_size: int, where: str, labels: bool = False) -> None:
+    """Pre-tokenized ids must be ids of this run's tokenizer (beyond the embedding they crash the step);
+    ``labels`` may also hold IGNORE_INDEX."""
+    row = [t for t in row if t != IGNORE_INDEX] if labels else row
+    if not row:
+        return
     low, high = min(row), max(row)
     if low < 0 or high >= vocab_size:
+        what = "label" if labels else "token id"
         raise DataError(
-            f"{where}: token id {high if high >= vocab_size else low} outside the tokenizer's vocabulary "
-            f"[0, {vocab_size}) (prepared with another tokenizer?)"
+            f"{where}: {what} {high if high >= vocab_size else low} outside the tokenizer's vocabulary "
+            f"[0, {vocab_size}){' and not -100' if labels else ''} (prepared with another tokenizer?)"
         )
 
 
@@ -203,6 +257,22 @@ def encode_document(tokenizer: Tokenizer, doc: str) -> list[int]:
     return tokenizer.encode(doc, bos=tokenizer.add_bos, eos=True)
 
 
+def encode_record(tokenizer: Tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+    """A prompt-completion record as packed, with its labels: [BOS] prompt completion EOS, where BOS and the
+    prompt's tokens are IGNORE_INDEX. The two parts are tokenized apart, so the boundary is exact."""
+    prompt_ids = tokenizer.encode(prompt, bos=tokenizer.add_bos, eos=False)
+    completion_ids = tokenizer.encode(completion, bos=False, eos=True)
+    return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
+
+
+def encode_labelled(tokenizer: Tokenizer, doc: str | tuple[str, str]) -> tuple[list[int], list[int]]:
+    """Any text document or record as packed: (ids, labels); a plain document's labels are its ids."""
+    if isinstance(doc, tuple):
+        return encode_record(tokenizer, *doc)
+    ids = encode_document(tokenizer, doc)
+    return ids, ids
+
+
 @dataclass(frozen=True)
 class _Reader:
     """Which slice of every source this worker reads: documents split over rank x worker."""
@@ -227,7 +297,7 @@ class _SourceStream:
         self.row_len = seq_len + 1
         self.name = source.name or source.path
         self.ds = split_dataset_by_node(open_source(source), reader.index, reader.count)
-        self.column = _column(source)
+        self.fields = _read_fields(source, self.ds)
         # v2 token streams are packed like text (chunks concatenated, cut into rows); v1 rows pass through.
         self.token_stream = source.kind == "tokenized" and token_stream_metadata(source) is not None
         self.epoch, self.epoch_docs = 0, 0
@@ -237,6 +307,7 @@ class _SourceStream:
         self.docs: list = []
         self.pos = 0
         self.buffer: list[int] = []
+        self.labels: list[int] = []  # one label per buffered token (IGNORE_INDEX: no loss)
         self.offset = 0
         self.batches: Iterator[dict] | None = None
 
@@ -269,7 +340,7 @@ class _SourceStream:
             self._open()
             return self._fetch()
         self.batch_state, self.next_state = self.next_state, self.ds.state_dict()
-        self.docs, self.pos, self.window = self._shuffled(batch[self.column]), 0, self.window + 1
+        self.docs, self.pos, self.window = self._shuffled(_documents(batch, self.fields)), 0, self.window + 1
 
     def _shuffled(self, docs: list) -> list:
         """The batch in its seeded order: a function of the seed, source, reader, epoch and batch index only,
@@ -280,7 +351,7 @@ class _SourceStream:
         rng = np.random.default_rng([self.reader.seed, name, self.reader.index, self.epoch, self.window + 1])
         return [docs[i] for i in rng.permutation(len(docs))]
 
-    def _next_doc(self) -> str | list[int]:
+    def _next_doc(self) -> Any:
         while True:
             if self.pos >= len(self.docs):
                 self._fetch()
@@ -294,39 +365,50 @@ class _SourceStream:
                 self.epoch_docs += 1
                 return doc
 
-    def next_row(self) -> list[int]:
+    def next_row(self) -> tuple[list[int], list[int]]:
+        """The next row of seq_len + 1 tokens and their labels."""
         if self.source.kind == "tokenized" and not self.token_stream:
-            row = self._next_doc()
-            if len(row) != self.row_len:
+            ids, labels = self._tokens(self._next_doc())
+            if len(ids) != self.row_len:
                 raise DataError(
-                    f"data source {self.name!r}: pre-tokenized row of {len(row)} tokens, expected "
+                    f"data source {self.name!r}: pre-tokenized row of {len(ids)} tokens, expected "
                     f"seq_len + 1 = {self.row_len} (re-run tools/prepare_data.py with this seq_len)"
                 )
-            check_token_ids(row, self.tokenizer.vocab_size, f"data source {self.name!r}")
-            return row
+            return ids, labels
         while len(self.buffer) - self.offset < self.row_len:
             try:
                 doc = self._next_doc()
             except SourceExhausted:
                 return self._last_row()
-            self.buffer, self.offset = self.buffer[self.offset :] + self._tokens(doc), 0
-        row = self.buffer[self.offset : self.offset + self.row_len]
-        self.offset += self.row_len
+            ids, labels = self._tokens(doc)
+            self.buffer, self.labels = self.buffer[self.offset :] + ids, self.labels[self.offset :] + labels
+            self.offset = 0
+        end = self.offset + self.row_len
+        row = self.buffer[self.offset : end], self.labels[self.offset : end]
+        self.offset = end
         return row
 
-    def _tokens(self, doc: str | list[int]) -> list[int]:
-        if not self.token_stream:
-            return encode_document(self.tokenizer, doc)
-        check_token_ids(doc, self.tokenizer.vocab_size, f"data source {self.name!r}")
-        return doc
+    def _tokens(self, doc: Any) -> tuple[list[int], list[int]]:
+        """(ids, labels) of a document: encoded text, or pre-tokenized ids with their labels column if any."""
+        if self.source.kind != "tokenized":
+            return encode_labelled(self.tokenizer, doc)
+        ids, labels = doc if isinstance(doc, tuple) else (doc, doc)
+        where = f"data source {self.name!r}"
+        if len(labels) != len(ids):
+            raise DataError(f"{where}: a pre-tokenized row of {len(ids)} ids has {len(labels)} labels")
+        check_token_ids(ids, self.tokenizer.vocab_size, where)
+        if labels is not ids:
+            check_token_ids(labels, self.tokenizer.vocab_size, f"{where} ({LABELS_COLUMN!r})", labels=True)
+        return list(ids), list(labels)
 
-    def _last_row(self) -> list[int]:
+    def _last_row(self) -> tuple[list[int], list[int]]:
         """A single-pass source's leftover tokens, padded with IGNORE_INDEX (no loss, no label)."""
-        rest = self.buffer[self.offset :]
-        self.buffer, self.offset = [], 0
+        rest, rest_labels = self.buffer[self.offset :], self.labels[self.offset :]
+        self.buffer, self.labels, self.offset = [], [], 0
         if len(rest) < 2:  # nothing left that has a next token to predict
             raise SourceExhausted(self.name)
-        return rest + [IGNORE_INDEX] * (self.row_len - len(rest))
+        padding = [IGNORE_INDEX] * (self.row_len - len(rest))
+        return rest + padding, rest_labels + padding
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -336,11 +418,15 @@ class _SourceStream:
             "batch_state": self.batch_state,
             "pos": self.pos,
             "buffer": self.buffer[self.offset :],
+            # Only where some label differs from its token (a mask): unmasked data keeps its checkpoints' size.
+            "labels": None if self.labels[self.offset :] == self.buffer[self.offset :] else self.labels[self.offset :],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.epoch_docs, self.batch_state = state["epoch"], state["epoch_docs"], state["batch_state"]
         self.buffer, self.offset = list(state["buffer"]), 0
+        labels = state.get("labels")  # absent in checkpoints from before labels were kept: unmasked
+        self.labels = list(self.buffer if labels is None else labels)
         self.batches, self.docs, self.pos = None, [], 0
         self.window = state.get("window", 0) - 1 if state["pos"] else state.get("window", -1)
         if state["pos"]:  # re-read the batch the saved position is in
@@ -476,7 +562,7 @@ class PackedDataset(IterableDataset):
                 exhausted.add(key)
                 continue
             self.rows += 1
-            yield torch.tensor(row, dtype=torch.long)
+            yield torch.tensor(row, dtype=torch.long)  # (2, seq_len + 1): tokens, labels
 
     def state_dict(self) -> dict[str, Any]:
         if self._pending is not None:
@@ -500,7 +586,7 @@ class PackedDataset(IterableDataset):
 def _collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Inputs and shifted labels; padding (IGNORE_INDEX, the end of a single-pass source) feeds token 0."""
     batch = torch.stack(rows)
-    return {"input_ids": batch[:, :-1].clamp(min=0), "labels": batch[:, 1:].contiguous()}
+    return {"input_ids": batch[:, 0, :-1].clamp(min=0), "labels": batch[:, 1, 1:].contiguous()}
 
 
 def _dataset_states(obj: Any) -> Iterator[dict]:
@@ -600,8 +686,9 @@ def build_dataloader(
     return DataLoader(dataset, num_workers=cfg_data.num_workers, reshard=cfg_data.reshard)
 
 
-def heldout_documents(cfg: Data) -> Iterator[str]:
-    """The validation split's documents as text, each once, alternating between its sources.
+def heldout_documents(cfg: Data) -> Iterator[str | tuple[str, str]]:
+    """The validation split's documents as text (or (prompt, completion) records), each once, alternating
+    between its sources.
 
     The split is ``[[data.validation_sources]]`` (read whole) or, with ``validation_fraction`` > 0, the
     documents of the final mixture whose content hash is held out of training (about 1 / fraction
@@ -617,11 +704,13 @@ def heldout_documents(cfg: Data) -> Iterator[str]:
                          "evaluate them with `eval loss --config`")
     reader = _Reader(0, 1, validation=True,
                      validation_fraction=0.0 if cfg.validation_sources else cfg.validation_fraction)
-    streams = [(s.text_field, iter(open_source(s))) for s in sources]
+    if len({s.format for s in sources}) > 1:
+        raise ValueError("the validation split mixes text documents and prompt-completion records: one file "
+                         "cannot hold both; evaluate them with `eval loss --config`")
+    streams = [_first_documents(s) for s in sources]
     while streams:
         for stream in list(streams):
-            field, rows = stream
-            doc = next((row[field] for row in rows if not is_empty(row[field]) and reader.keeps(row[field])), None)
+            doc = next((d for d in stream if not is_empty(d) and reader.keeps(d)), None)
             if doc is None:
                 streams.remove(stream)
             else:
@@ -657,20 +746,23 @@ def _check_tokenized_files(s: DataSource, seq_len: int, tokenizer: Tokenizer) ->
 
 def _first_documents(s: DataSource) -> Iterator[Any]:
     """The documents of a source from its start; a source that cannot be read is one line."""
-    name, column = s.name or s.path, _column(s)
-    rows = iter(open_source(s))
+    name, fields = s.name or s.path, _fields(s)
+    ds = open_source(s)
+    read_fields = _read_fields(s, ds)
+    rows = iter(ds)
     while True:
         try:
             row = next(rows)
         except StopIteration:
             return
         except KeyError as err:  # select_columns on a missing column fails lazily
-            raise ValueError(f"data source {name!r}: field {column!r} not found in {s.path} ({err})") from None
+            raise ValueError(f"data source {name!r}: field {fields[0]!r} not found in {s.path} ({err})") from None
         except (ValueError, OSError) as err:
             raise read_error(s, err) from None
-        if column not in row:
-            raise ValueError(f"data source {name!r}: field {column!r} not found in {s.path}")
-        yield row[column]
+        missing = [f for f in fields if f not in row]
+        if missing:
+            raise ValueError(f"data source {name!r}: field {missing[0]!r} not found in {s.path}")
+        yield _documents({f: [row.get(f)] for f in read_fields}, read_fields)[0]
 
 
 def check_source(s: DataSource, tokenizer: Tokenizer, seq_len: int, held_out_fraction: float | None = None) -> int:
@@ -689,7 +781,7 @@ def check_source(s: DataSource, tokenizer: Tokenizer, seq_len: int, held_out_fra
         if s.kind == "tokenized" or not is_empty(doc):
             first = doc if first is None else first
             if held_out_fraction is None or _held_out(doc, held_out_fraction):
-                return len(first) if s.kind == "tokenized" else len(encode_document(tokenizer, first))
+                return len(first) if s.kind == "tokenized" else len(encode_labelled(tokenizer, first)[0])
         if seen >= (held_out_scan if first is not None else _FIRST_DOC_SCAN):
             break
     if seen == 0:

@@ -116,7 +116,7 @@ def check_inputs(cfg: JobConfig, world_size: int) -> Inputs:
     found.model_args = _attempt(found, lambda: resolve_model_args(cfg.model))
     folder = tokenizer_folder(cfg)
     if folder is None:
-        found.problems.append("set data.tokenizer (a folder with tokenizer files) when training from model.preset")
+        found.problems.append("set data.tokenizer (a folder with tokenizer files) when training from model.preset or from scratch")
     elif found.model_args is not None or folder != cfg.model.path:  # a missing model folder is one problem
         found.tokenizer = _attempt(found, lambda: load_tokenizer(folder))
     if found.tokenizer is not None and found.model_args is not None:
@@ -328,7 +328,7 @@ def plan_lines(cfg: JobConfig, args: ModelArgs, world_size: int, options: CheckO
     mesh = mesh if world_size > 1 else "one process, no FSDP"
     lines = [
         f"run: {cfg.job.description or '(no job.description)'}; dump folder {cfg.job.dump_folder}",
-        f"model: {m.path or m.preset} shape {shape}, d {args.dim}, vocab {args.vocab_size}; parameters "
+        f"model: {m.path or m.preset or 'from scratch'} shape {shape}, d {args.dim}, vocab {args.vocab_size}; parameters "
         f"{counts.total:,} (non-embedding {counts.non_embedding:,}, core {counts.core:,})",
         f"ranks: {world_size} ({mesh}); batch {sequences} sequences x {t.seq_len} tokens = {tokens_per_step:,} "
         f"tokens/step ({t.local_batch_size} per rank x {accum} micro-step(s))",

@@ -6,6 +6,7 @@ under ``job.dump_folder``: checkpoints/, tb/, metrics.jsonl, config.json.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -181,9 +182,13 @@ class Trainer:
     def _load_tokenizer(self):
         folder = self.tokenizer_folder()
         if folder is None:
-            raise ConfigError("set data.tokenizer (a folder with tokenizer files) when training from model.preset")
+            raise ConfigError("set data.tokenizer (a folder with tokenizer files) when training from model.preset or from scratch")
         tokenizer = load_tokenizer(folder)
         check_vocab(tokenizer, self.model_args.vocab_size)
+        if self.cfg.model.dim is not None:  # from scratch: the special tokens are the tokenizer's
+            self.model_args = dataclasses.replace(
+                self.model_args, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id
+            )
         return tokenizer
 
     def _build_model(self) -> RecurrentLM:

@@ -75,6 +75,9 @@ def build_parser() -> Parser:
     harness.add_argument("--include-path", action="append", default=[], help="extra task folder (repeatable)")
     loss = p.add_argument_group("loss")
     loss.add_argument("--text-field", default="text", help="jsonl/parquet field holding the text (default text)")
+    loss.add_argument("--format", dest="data_format", choices=["text", "prompt_completion"], default="text",
+                      help="--data records: 'text' (loss on every token) or 'prompt_completion' (fields prompt and "
+                      "completion: the loss on the completions only, e.g. a task's answers) (default text)")
     loss.add_argument("--loss-batches", type=int, default=8, help="held-out batches (default 8)")
     loss.add_argument("--loss-batch-size", type=int, default=8, help="rows per batch (default 8)")
     loss.add_argument("--seq-len", type=int, help="tokens per row (default: each run's training.seq_len)")
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 for folder, label in zip(ns.runs, labels)]
         settings = EvalSettings(
             recurrences=ns.recurrences, tasks=[t for t in (ns.task or "").split(",") if t], data=ns.data,
-            text_field=ns.text_field, loss_batches=ns.loss_batches, loss_batch_size=ns.loss_batch_size,
+            text_field=ns.text_field, data_format=ns.data_format, loss_batches=ns.loss_batches, loss_batch_size=ns.loss_batch_size,
             seq_len=ns.seq_len, batch_size=ns.batch_size, max_gen_toks=ns.max_gen_toks, limit=ns.limit,
             num_fewshot=ns.num_fewshot, include_path=ns.include_path, device=ns.device,
         )

@@ -11,6 +11,10 @@ files with one list<int32> column ``input_ids``:
 - v1 (--seq-len N): rows of exactly N + 1 tokens (a row may span documents; the final partial row
   is dropped), for that seq_len only.
 
+With --format prompt_completion (records with prompt and completion fields) both formats also get a
+``labels`` column beside ``input_ids``: the token, or -100 for BOS and the prompt's tokens, so the
+trainer's loss is on the completions only, exactly as when it reads the records themselves.
+
 Train on either with
 
     [[data.sources]]
@@ -40,14 +44,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from titan_recur.config import DataSource
+from titan_recur.config import DATA_FORMATS, DataSource
 from titan_recur.data import (
+    LABELS_COLUMN,
     TOKENS_COLUMN,
     TOKENS_FORMAT_V2,
     TOKENS_METADATA,
-    encode_document,
+    check_text,
+    encode_labelled,
     is_empty,
     open_source,
+    read_documents,
     tokenizer_probe,
 )
 from titan_recur.tokenizer import Tokenizer, load_tokenizer
@@ -60,29 +67,36 @@ def _init_worker(folder: str) -> None:
     _tokenizer = load_tokenizer(folder)
 
 
-def _encode_chunk(docs: list[str | None]) -> tuple[np.ndarray, int]:
-    """The packed token stream of a chunk of documents (int32: cheap to send back), and its document count."""
+def _encode_chunk(docs: list) -> tuple[np.ndarray, int]:
+    """The packed (2, tokens) stream of a chunk of documents, ids and labels (int32: cheap to send back), and its
+    document count."""
     kept = [d for d in docs if not is_empty(d)]
-    ids = [t for d in kept for t in encode_document(_tokenizer, d)]
-    return np.asarray(ids, dtype=np.int32), len(kept)
+    pairs = [encode_labelled(_tokenizer, d) for d in kept]
+    ids = [t for pair in pairs for t in pair[0]]
+    labels = [t for pair in pairs for t in pair[1]]
+    return np.asarray([ids, labels], dtype=np.int32).reshape(2, -1), len(kept)
 
 
 def _chunks(source: DataSource, docs_per_task: int, max_docs: int | None) -> Iterator[list]:
-    column = source.text_field
     seen = 0
-    for batch in open_source(source).iter(batch_size=docs_per_task):
-        docs = batch[column][: None if max_docs is None else max_docs - seen]
+    for docs in read_documents(open_source(source), source, docs_per_task):
+        docs = docs[: None if max_docs is None else max_docs - seen]
+        for doc in docs:
+            check_text(doc, source)  # a record without its fields: one line here, not a worker's traceback
         seen += len(docs)
         yield docs
         if max_docs is not None and seen >= max_docs:
             return
 
 
-def _write_shard(flat: np.ndarray, row_len: int, path: Path) -> None:
-    """``flat`` as rows of ``row_len`` tokens (the last one shorter if it does not divide)."""
-    offsets = pa.array(np.append(np.arange(0, len(flat), row_len), len(flat)).astype(np.int32))
-    column = pa.ListArray.from_arrays(offsets, pa.array(flat))
-    pq.write_table(pa.table({TOKENS_COLUMN: column}), path)
+def _write_shard(flat: np.ndarray, row_len: int, path: Path, labels: bool) -> None:
+    """``flat`` (ids; labels) as rows of ``row_len`` tokens (the last one shorter if it does not divide); the
+    labels column only when asked for."""
+    offsets = pa.array(np.append(np.arange(0, flat.shape[1], row_len), flat.shape[1]).astype(np.int32))
+    columns = {TOKENS_COLUMN: pa.ListArray.from_arrays(offsets, pa.array(flat[0]))}
+    if labels:
+        columns[LABELS_COLUMN] = pa.ListArray.from_arrays(offsets, pa.array(flat[1]))
+    pq.write_table(pa.table(columns), path)
 
 
 def _write_metadata(out: Path, tokenizer_folder: str, tokens: int, documents: int, chunk_tokens: int) -> None:
@@ -124,8 +138,11 @@ def prepare(args: argparse.Namespace) -> None:
     kind = args.kind
     source = DataSource(
         name=args.path, path=args.path, kind=kind, text_field=args.text_field,
-        hf_config=args.hf_config, split=args.split, sample_by=args.sample_by,
+        hf_config=args.hf_config, split=args.split, sample_by=args.sample_by, format=args.data_format,
     )
+    if args.data_format != "text" and kind == "text":
+        raise SystemExit("prepare_data.py: error: --format prompt_completion needs records: --kind jsonl, parquet or hf")
+    labels = args.data_format != "text"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if any(out.glob("*.parquet")):
@@ -139,20 +156,20 @@ def prepare(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     with Pool(args.workers, initializer=_init_worker, initargs=(args.tokenizer,)) as pool:
         for ids, docs in pool.imap(_encode_chunk, _chunks(source, args.docs_per_task, args.max_docs)):
-            progress.update(len(ids))
+            progress.update(ids.shape[1])
             pending.append(ids)
-            n_pending += len(ids)
+            n_pending += ids.shape[1]
             documents += docs
             while n_pending >= shard_tokens:
-                flat = np.concatenate(pending)
-                _write_shard(flat[:shard_tokens], row_len, out / f"part-{shards:05d}.parquet")
-                pending, n_pending = [flat[shard_tokens:]], len(flat) - shard_tokens
+                flat = np.concatenate(pending, axis=1)
+                _write_shard(flat[:, :shard_tokens], row_len, out / f"part-{shards:05d}.parquet", labels)
+                pending, n_pending = [flat[:, shard_tokens:]], flat.shape[1] - shard_tokens
                 shards, rows = shards + 1, rows + args.rows_per_shard
     progress.close()
-    flat = np.concatenate(pending) if pending else np.zeros(0, np.int32)
-    kept = len(flat) if stream else len(flat) // row_len * row_len
+    flat = np.concatenate(pending, axis=1) if pending else np.zeros((2, 0), np.int32)
+    kept = flat.shape[1] if stream else flat.shape[1] // row_len * row_len
     if kept:
-        _write_shard(flat[:kept], row_len, out / f"part-{shards:05d}.parquet")
+        _write_shard(flat[:, :kept], row_len, out / f"part-{shards:05d}.parquet", labels)
         shards, rows = shards + 1, rows + -(-kept // row_len)
     if stream:
         _write_metadata(out, args.tokenizer, progress.total, documents, row_len)
@@ -160,7 +177,7 @@ def prepare(args: argparse.Namespace) -> None:
     layout = f"chunks of {row_len} tokens (v2 token stream)" if stream else f"rows of {row_len} tokens (v1)"
     print(
         f"{progress.total:,} tokens of {documents:,} documents -> {rows:,} {layout} in {shards} shards under {out} "
-        f"({len(flat) - kept} trailing tokens dropped); {seconds:.1f} s, "
+        f"({flat.shape[1] - kept} trailing tokens dropped); {seconds:.1f} s, "
         f"{progress.total / max(seconds, 1e-9):,.0f} tokens/s with {args.workers} workers"
     )
 
@@ -171,6 +188,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--path", required=True, help="Local file or glob, or a hub dataset id (--kind hf).")
     parser.add_argument("--kind", choices=["text", "jsonl", "parquet", "hf"], default="jsonl", help="Source format.")
     parser.add_argument("--text-field", default="text", help="Column or key holding the text.")
+    parser.add_argument("--format", dest="data_format", choices=DATA_FORMATS, default="text",
+                        help="'text' documents, or 'prompt_completion' records (fields prompt and completion): "
+                        "writes a labels column with -100 on the prompts (default: text).")
     parser.add_argument("--hf-config", default=None, help="Hub dataset config name (--kind hf).")
     parser.add_argument("--split", default="train", help="Hub dataset split (--kind hf).")
     parser.add_argument(

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from titan_recur.checkpoint import CheckpointError
+from titan_recur.config import DATA_FORMATS as FORMATS
 from titan_recur.eval.loading import add_checkpoint_arguments
 from titan_recur.models.args import STATE_INITS
 from titan_recur.resources import project_folder
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--config", help="train config TOML (or a run's config.json): its validation split, with "
                       "the in-loop validation's geometry as defaults")
     loss.add_argument("--text-field", default="text", help="jsonl/parquet field holding the text (default: text)")
+    loss.add_argument("--format", dest="data_format", choices=FORMATS, default="text",
+                      help="--data records: 'text' (loss on every token) or 'prompt_completion' (fields prompt and "
+                      "completion; the loss on the completion only, e.g. a task's answers) (default: text)")
     loss.add_argument("--recurrences", type=parse_ints, default=parse_ints(DEFAULT_RECURRENCES),
                       help=f"test recurrences (default {DEFAULT_RECURRENCES})")
     loss.add_argument("--batches", type=int, help="batches per rank (default: --config's validation.steps; with "
@@ -88,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     heldout.add_argument("--hf-config", help="hub dataset config of --data")
     heldout.add_argument("--split", default="train", help="split of --data (default train)")
     heldout.add_argument("--text-field", default="text", help="field holding the text (default: text)")
+    heldout.add_argument("--format", dest="data_format", choices=FORMATS, default="text",
+                         help="records of --data: 'text' or 'prompt_completion' (fields prompt, completion), "
+                         "written in the same format (default: text)")
     heldout.add_argument("--documents", type=int, required=True, help="number of documents to write")
     heldout.add_argument("--out", required=True, type=Path, help="jsonl file to write ({\"text\": ...} per line)")
 
@@ -143,6 +150,7 @@ def run_loss(args: argparse.Namespace) -> None:
     batches = heldout_batches(
         tokenizer, seq_len=settings["seq_len"], batch_size=settings["batch_size"], num_batches=settings["batches"],
         data=args.data, text_field=args.text_field, config=args.config, ranks=settings["data_ranks"],
+        data_format=args.data_format,
     )
     most = None if settings["batches"] is None else settings["batches"] * settings["data_ranks"]
     report = loss_sweep(model, batches, recurrences, device, args.state_init, num_batches=most)
@@ -184,7 +192,7 @@ def run_heldout(args: argparse.Namespace) -> None:
     else:
         kind = args.kind or data_source(args.data).sources[0].kind
         source = DataSource(name=args.data, path=args.data, kind=kind, text_field=args.text_field,
-                            hf_config=args.hf_config, split=args.split)
+                            hf_config=args.hf_config, split=args.split, format=args.data_format)
         data, what = Data(validation_sources=[source]), args.data
     written = write_documents(heldout_documents(data), args.out, args.documents)
     if written < args.documents:

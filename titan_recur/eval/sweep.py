@@ -23,10 +23,12 @@ PLOT_NAME = "validation_loss.png"
 _KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
-def data_source(path: str, text_field: str = "text") -> Data:
-    """A one-source data config for a held-out file (or glob): jsonl/json, parquet, else plain text."""
+def data_source(path: str, text_field: str = "text", data_format: str = "text") -> Data:
+    """A one-source data config for a held-out file (or glob): jsonl/json, parquet, else plain text;
+    ``data_format`` 'prompt_completion': records whose loss is on the completion only."""
     kind = _KINDS.get(Path(path).suffix, "text")
-    return Data(sources=[DataSource(name=Path(path).name, path=path, kind=kind, text_field=text_field)])
+    return Data(sources=[DataSource(name=Path(path).name, path=path, kind=kind, text_field=text_field,
+                                    format=data_format)])
 
 
 def rows_settings(
@@ -57,7 +59,8 @@ def rows_settings(
 
 
 def write_documents(documents: Iterable[str], out: str | Path, limit: int) -> int:
-    """The first ``limit`` documents as jsonl ({"text": ...} per line), written atomically; returns the count."""
+    """The first ``limit`` documents as jsonl ({"text": ...} per line, a record as {"prompt": ..., "completion":
+    ...}), written atomically; returns the count."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -65,7 +68,8 @@ def write_documents(documents: Iterable[str], out: str | Path, limit: int) -> in
     try:
         with open(tmp, "w") as f:
             for doc in itertools.islice(documents, limit):
-                f.write(json.dumps({"text": doc}) + "\n")
+                row = {"prompt": doc[0], "completion": doc[1]} if isinstance(doc, tuple) else {"text": doc}
+                f.write(json.dumps(row) + "\n")
                 count += 1
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -84,6 +88,7 @@ def heldout_batches(
     text_field: str = "text",
     config: str | None = None,
     ranks: int = 1,
+    data_format: str = "text",
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Packed batches of ``data`` (every document), or of the validation split of a train config.
 
@@ -101,7 +106,7 @@ def heldout_batches(
             f"seq_len, batch_size, batches and ranks must be >= 1, got {seq_len}, {batch_size}, {num_batches}, {ranks}"
         )
     if data is not None:
-        data_cfg, split, seed = data_source(data, text_field), "train", 0
+        data_cfg, split, seed = data_source(data, text_field, data_format), "train", 0
     else:
         cfg = load_config(config)
         data_cfg, split, seed = cfg.data, "validation", cfg.job.seed

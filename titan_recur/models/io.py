@@ -177,12 +177,23 @@ def write_atomically(output: Path, write: Callable[[Path], None], *, kind: str) 
         raise
 
 
+def architecture_args(model: "Model") -> ModelArgs:
+    """The ModelArgs of ``[model]``'s own architecture (from scratch): static unless model.shape splits it."""
+    n_prelude, n_core, n_coda = model.shape or (model.n_layers, 0, 0)
+    return ModelArgs(
+        vocab_size=model.vocab_size, dim=model.dim, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads or model.n_heads,
+        head_dim=model.dim // model.n_heads, ffn_dim=model.ffn_dim, n_prelude=n_prelude, n_core=n_core, n_coda=n_coda,
+    )
+
+
 def resolve_model_args(model: "Model") -> ModelArgs:
     """The architecture a run's ``[model]`` section names: a model folder's, or a preset's at its shape.
 
     With both, the folder must have the preset's architecture at that shape.
     """
     path, preset, shape = model.path, model.preset, model.shape
+    if model.dim is not None:
+        return architecture_args(model)
     if not path:
         return PRESETS[preset].model_args(*shape)
     if not Path(path).is_dir():
