@@ -1,4 +1,4 @@
-"""tools/compare.py and tools/reproduce_mini.sh: the quick miniature run once, its two real 2-rank runs
+"""tools/compare.py and tools/reproduce_mini.sh: the quick miniature run once (the effect asserted on it), its two real 2-rank runs
 (recurrent and static) checked against tools/flops.py, the paper's formula and direct evaluation."""
 
 from __future__ import annotations
@@ -17,17 +17,16 @@ import pytest
 import torch
 
 from titan_recur.compare import EvalSettings, compare, read_run
-from titan_recur.eval import mean_losses, validation_loss_sums
-from titan_recur.eval.sweep import heldout_batches
 from titan_recur.models.generate import greedy_generate
 from titan_recur.models.io import load_model
 from titan_recur.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE = REPO / "assets" / "depth_llama"
+SOURCE = REPO / "assets" / "perm_llama"
 QUICK_RECURRENCES = ["1", "4"]  # tools/reproduce_mini.sh --quick
-TASKS = ("depth_chain_validation", "depth_chain_test")
+TASKS = tuple(f"perm_{n}" for n in range(7, 13))  # --quick evaluates the long chains only
 METRIC = "exact_match,flexible-extract"
+TOKENIZER = REPO / "assets" / "tokenizer"
 
 
 def load_tool(name: str):
@@ -45,7 +44,7 @@ def mini(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("mini") / "out"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(["bash", "tools/reproduce_mini.sh", "--quick", "--out", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return out
 
@@ -61,17 +60,39 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
 
 
+def test_the_effect_reproduces_on_its_own_run(mini: Path, report: dict) -> None:
+    """The paper's two claims, measured on this run (not on stored numbers): on chains longer than any the source
+    solved, the retrofitted model gains accuracy with test-time depth, and at its compute-matched FLOPs it beats
+    the source post-trained without recurrence."""
+    recurrent, static = report["runs"]
+    long_chains = {}
+    for run, r in ((recurrent, "1"), (recurrent, "4"), (static, "1")):
+        scores = run["points"][-1]["results"][r]["tasks"]
+        long_chains[(run["label"], r)] = sum(scores[t][METRIC] for t in TASKS) / len(TASKS)
+    at_r1, at_r4, baseline = long_chains[("recurrent_s0", "1")], long_chains[("recurrent_s0", "4")], \
+        long_chains[("static_x1", "1")]
+    assert at_r4 > at_r1 + 0.15, long_chains
+    assert at_r4 > baseline + 0.15, long_chains
+    assert recurrent["flops"]["paper"] == pytest.approx(static["flops"]["paper"], rel=0.01)  # matched
+    summary = json.loads((mini / "summary" / "summary.json").read_text())
+    final = summary["arms"]["recurrent"]["points"][-1]["results"]
+    assert final["4"]["long"]["mean"] == pytest.approx(at_r4) and final["1"]["long"]["mean"] == pytest.approx(at_r1)
+    assert summary["arms"]["static_x1"]["points"][-1]["results"]["1"]["long"]["mean"] == pytest.approx(baseline)
+    loss = {r: recurrent["points"][-1]["results"][r]["loss"] for r in QUICK_RECURRENCES}
+    assert loss["4"] < loss["1"]  # the answer-only held-out loss falls with depth too
+
+
 def test_pipeline_stages_and_matched_steps(mini: Path, report: dict) -> None:
     with (mini / "timings.tsv").open() as f:
         stages = [row["stage"] for row in csv.DictReader(f, delimiter="\t")]
-    assert stages == ["task", "convert_recurrent", "convert_static", "train_recurrent", "match", "train_static",
-                      "compare", "total"]
+    assert stages == ["task", "convert_recurrent", "convert_static", "match", "train_static_x1",
+                      "train_recurrent_s0", "compare", "summarize", "total"]
     recurrent, static = report["runs"]
     assert (recurrent["recurrent"], static["recurrent"]) == (True, False)
     assert recurrent["world_size"] == static["world_size"] == 2
     matched = json.loads((mini / "flops_match.json").read_text())["matched_steps"]
     assert static["steps"] == round(matched["paper"]) and matched["full"] > 0
-    assert [p["step"] for p in recurrent["points"]] == [3, 6]  # every checkpoint, the last one the final model
+    assert [p["step"] for p in recurrent["points"]] == [60, 120]  # the halfway checkpoint and the final model
     assert list(recurrent["points"][-1]["results"]) == QUICK_RECURRENCES
     assert list(static["points"][-1]["results"]) == ["1"]  # r changes nothing for a static model
     for run in report["runs"]:
@@ -97,67 +118,92 @@ def test_flops_equal_tools_flops_and_the_paper_formula(mini: Path, report: dict,
     hf = LlamaForCausalLM.from_pretrained(SOURCE)
     non_embedding = sum(p.numel() for p in hf.model.layers.parameters()) + hf.model.norm.weight.numel()
     static = report["runs"][1]
-    assert static["tokens_per_step"] == 16 * 128
-    assert static["flops"]["paper"] == pytest.approx(6 * static["steps"] * 16 * 128 * non_embedding, rel=1e-12)
+    assert static["tokens_per_step"] == 16 * 64
+    assert static["flops"]["paper"] == pytest.approx(6 * static["steps"] * 16 * 64 * non_embedding, rel=1e-12)
     assert all(p["flops"]["full"] > p["flops"]["paper"] > 0 for run in report["runs"] for p in run["points"])
 
 
 def direct_exact_match(model_dir: Path, rows: list[dict], r: int) -> float:
-    """Greedy decoding one prompt at a time; the last number before a stop string vs the answer."""
+    """Greedy decoding one prompt at a time; the last number of the text before a newline vs the answer."""
     model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
     hits = 0
     for row in rows:
-        ids = torch.tensor([tokenizer.encode(row["question"], bos=True, eos=False)])
-        tokens = greedy_generate(model, ids, 4, num_steps=r, eos_id=tokenizer.eos_id)[0].tolist()
+        ids = torch.tensor([tokenizer.encode(row["prompt"], bos=True, eos=False)])
+        tokens = greedy_generate(model, ids, 2, num_steps=r, eos_id=tokenizer.eos_id)[0].tolist()
         text = tokenizer.decode(tokens[: tokens.index(tokenizer.eos_id)] if tokenizer.eos_id in tokens else tokens)
-        numbers = re.findall(r"-?[0-9]+", re.split("\n|Question:", text)[0])
+        numbers = re.findall(r"-?[0-9]+", text.split("\n")[0])
         hits += bool(numbers) and numbers[-1] == row["answer"]
     return hits / len(rows)
 
 
+def hand_answer_loss(model_dir: Path, validation: Path, r: int, rows: int = 16, seq_len: int = 64) -> float:
+    """The answer-only loss written out: records packed [BOS] prompt completion EOS from the tokenizer file, the
+    first ``rows`` rows of seq_len + 1, mean -log p over the completion tokens and EOS."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+    ids, keep = [], []
+    for line in validation.read_text().splitlines():
+        record = json.loads(line)
+        prompt = hf.encode(record["prompt"], add_special_tokens=False).ids
+        completion = hf.encode(record["completion"], add_special_tokens=False).ids
+        ids += [1, *prompt, *completion, 2]
+        keep += [False] * (1 + len(prompt)) + [True] * (len(completion) + 1)
+    width = seq_len + 1
+    x = torch.tensor([ids[i * width : (i + 1) * width] for i in range(rows)])
+    scored = torch.tensor([keep[i * width : (i + 1) * width] for i in range(rows)])[:, 1:]
+    with torch.no_grad():
+        logp = torch.log_softmax(load_model(model_dir)(x[:, :-1], r).double(), dim=-1)
+    nll = -logp.gather(-1, x[:, 1:, None])[..., 0]
+    return float(nll[scored].mean())
+
+
 def test_scores_equal_direct_evaluation(mini: Path, report: dict) -> None:
-    """The final models' harness exact match and loss at each r, recomputed without the harness or the tool."""
+    """The final models' harness exact match and answer-only loss at each r, recomputed without the harness or the
+    data pipeline."""
     task = mini / "task"
-    tokenizer = load_tokenizer(mini / "runs" / "recurrent" / "final_model")
-    batches = list(heldout_batches(tokenizer, seq_len=128, batch_size=8, num_batches=2,
-                                   data=str(task / "validation.jsonl")))
     for run in report["runs"]:
         model_dir = Path(run["folder"]) / "final_model"
         for r, entry in run["points"][-1]["results"].items():
-            sums = validation_loss_sums(load_model(model_dir), batches, [int(r)], "cpu")
-            assert entry["loss"] == pytest.approx(mean_losses(sums)[int(r)], rel=1e-6)
+            assert entry["loss"] == pytest.approx(hand_answer_loss(model_dir, task / "validation.jsonl", int(r)),
+                                                  rel=1e-5)
             for name in TASKS:
-                rows = [json.loads(line) for line in (task / f"{name.split('_')[-1]}.jsonl").read_text().splitlines()]
+                rows = [json.loads(line) for line in (task / f"eval_{name.split('_')[-1]}.jsonl").open()]
                 assert entry["tasks"][name][METRIC] == pytest.approx(direct_exact_match(model_dir, rows, int(r)))
 
 
 def test_report_files(mini: Path, report: dict) -> None:
     out = mini / "compare"
     md = (out / "compare.md").read_text()
-    assert "## held-out loss" in md and f"## depth_chain_test {METRIC}" in md
-    assert md.count("| recurrent |") == 3 * 2  # 3 quantities x 2 evaluated recurrent models
-    assert md.count("(static: same at every r)") == 3 * len(report["runs"][1]["points"])
+    assert "## held-out loss" in md and f"## perm_12 {METRIC}" in md
+    quantities = 1 + len(TASKS)
+    assert md.count("| recurrent_s0 |") == quantities * 2  # every quantity x 2 evaluated recurrent models
+    assert md.count("(static: same at every r)") == quantities * len(report["runs"][1]["points"])
     for name in ("loss", *TASKS):
         for kind in ("vs_r", "vs_flops"):
             assert (out / f"{name}_{kind}.png").stat().st_size > 5000
+    summary = (mini / "summary" / "summary.md").read_text()
+    assert "## Accuracy on the long chains (7-12 operators)" in summary and "| static_x1 (static) |" in summary
+    for name in ("long_vs_r", "long_vs_flops"):
+        assert (mini / "summary" / f"{name}.png").stat().st_size > 5000
 
 
 def test_world_size_is_checked(mini: Path, tmp_path: Path) -> None:
     runs = mini / "runs"
     with pytest.raises(ValueError, match="written by 2 rank"):
-        read_run(runs / "static", world_size=1)
+        read_run(runs / "static_x1", world_size=1)
     # Without checkpoints: a batch that does not split, or logged tokens that give a wrong world size away.
-    for name in ("recurrent", "static"):
+    for name in ("recurrent_s0", "static_x1"):
         shutil.copytree(runs / name, tmp_path / name, ignore=shutil.ignore_patterns("checkpoints"))
-    assert read_run(tmp_path / "recurrent").world_size == 1  # no checkpoint: 1 unless given; same tokens/step
+    assert read_run(tmp_path / "recurrent_s0").world_size == 1  # no checkpoint: 1 unless given; same tokens/step
     with pytest.raises(ValueError, match="must be a multiple"):  # 8 sequences x 4 ranks > the global batch of 16
-        read_run(tmp_path / "recurrent", world_size=4)
-    config = json.loads((tmp_path / "static" / "config.json").read_text())
+        read_run(tmp_path / "recurrent_s0", world_size=4)
+    config = json.loads((tmp_path / "static_x1" / "config.json").read_text())
     config["training"]["global_batch_size"] = None  # then the batch is 8 x ranks: 1 rank halves the logged tokens
-    (tmp_path / "static" / "config.json").write_text(json.dumps(config))
-    assert read_run(tmp_path / "static", world_size=2).flops.tokens_per_step == 16 * 128
+    (tmp_path / "static_x1" / "config.json").write_text(json.dumps(config))
+    assert read_run(tmp_path / "static_x1", world_size=2).flops.tokens_per_step == 16 * 64
     with pytest.raises(ValueError, match="pass the run's --world-size"):
-        read_run(tmp_path / "static", world_size=1)
+        read_run(tmp_path / "static_x1", world_size=1)
 
 
 def test_in_process_loss_only_with_progress(mini: Path) -> None:
@@ -166,7 +212,7 @@ def test_in_process_loss_only_with_progress(mini: Path) -> None:
     settings = EvalSettings(recurrences=[1, 8], data=str(task / "validation.jsonl"), loss_batches=1,
                             loss_batch_size=2, seq_len=32, device="cpu")
     calls = []
-    result = compare([read_run(mini / "runs" / "recurrent"), read_run(mini / "runs" / "static")], settings,
+    result = compare([read_run(mini / "runs" / "recurrent_s0"), read_run(mini / "runs" / "static_x1")], settings,
                      progress=lambda total: lambda: calls.append(total))
     assert calls == [2 + 1] * 3  # final recurrent model x 2 r + one static evaluation
     recurrent, static = result["runs"]
@@ -186,7 +232,7 @@ def test_in_process_loss_only_with_progress(mini: Path) -> None:
 def test_cli_errors_are_one_line(mini, tmp_path, capsys, argv: list[str], words: list[str]) -> None:
     tool = load_tool("compare")
     data = str(mini / "task" / "validation.jsonl")
-    argv = [a.replace("{static}", str(mini / "runs" / "static")).replace("{data}", data) for a in argv]
+    argv = [a.replace("{static}", str(mini / "runs" / "static_x1")).replace("{data}", data) for a in argv]
     with pytest.raises(SystemExit) as exit_info:
         tool.main([*argv, "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
@@ -199,10 +245,29 @@ def test_cli_errors_are_one_line(mini, tmp_path, capsys, argv: list[str], words:
 def test_cli_prints_the_table(mini, tmp_path, capsys) -> None:
     tool = load_tool("compare")
     out = tmp_path / "out"
-    assert tool.main([str(mini / "runs" / "recurrent"), str(mini / "runs" / "static"), "--labels", "rec,stat",
+    assert tool.main([str(mini / "runs" / "recurrent_s0"), str(mini / "runs" / "static_x1"), "--labels", "rec,stat",
                       "--data", str(mini / "task" / "validation.jsonl"), "--recurrences", "1,4",
                       "--loss-batches", "1", "--loss-batch-size", "2", "--seq-len", "32", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "## held-out loss" in printed and "| rec |" in printed and "wrote" in printed
     result = json.loads((out / "compare.json").read_text())
     assert [run["label"] for run in result["runs"]] == ["rec", "stat"]
+
+
+def test_bench_task_decodes_the_harness_answers(mini: Path, report: dict, capsys) -> None:
+    """tools/bench_generate.py task (teacher-forced through the cache, exact at full sharing) gives the harness's
+    exact match per length at the same r; latest sharing keeps the static model's cache size."""
+    bench = load_tool("bench_generate")
+    model = mini / "runs" / "recurrent_s0" / "final_model"
+    bench.main(["task", "--checkpoint", str(model), "--task-dir", str(mini / "task"), "--lengths", "7-12",
+                "--num-steps", "4", "--recurrences", "1", "--kv-sharing-modes", "latest",
+                "--thresholds", "kl:1e-3"])
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith("| setting")}
+    assert set(rows) == {"full r=1", "full r=4", "latest r=4", "full r=4, warm start", "exit kl < 0.001 (max 4)"}
+    scores = report["runs"][0]["points"][-1]["results"]
+    for r in QUICK_RECURRENCES:
+        per_length = [float(cell) for cell in rows[f"full r={r}"][1:7]]
+        assert per_length == pytest.approx([scores[r]["tasks"][t][METRIC] for t in TASKS], abs=1e-9)
+    assert float(rows["full r=4"][7]) == 4.0 and float(rows["exit kl < 0.001 (max 4)"][7]) <= 4.0
+    assert int(rows["latest r=4"][8].replace(",", "")) == int(rows["full r=1"][8].replace(",", ""))

@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,52 +24,79 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def reference_answer(question: str) -> str:
-    """Python's own arithmetic on the expression, then mod 10."""
-    expression = question.removeprefix("Question: ").split(" (mod 10)")[0]
-    return str(eval(expression) % 10)  # noqa: S307 (digits and +/- only, generated here)
+def test_permutations_generate_a8(depth_task) -> None:
+    """Checked with sympy's group theory (torch's own dependency), not the tool's closure."""
+    from sympy.combinatorics import Permutation, PermutationGroup
+
+    for seed in (0, 1, 7):
+        perms = [Permutation(p) for p in depth_task.draw_permutations(seed)]
+        group = PermutationGroup(perms)
+        assert group.order() == 20160 and group.is_alternating and not group.is_abelian
+        assert perms[0] * perms[1] != perms[1] * perms[0]
 
 
-def test_splits_answers_and_lengths(depth_task, tmp_path: Path) -> None:
-    assert depth_task.main(["--out", str(tmp_path), "--max-steps", "3", "--train-examples", "300",
-                            "--eval-examples", "5", "--seed", "7"]) == 0
+def test_perm_splits_answers_and_lengths(depth_task, tmp_path: Path) -> None:
+    argv = ["--out", str(tmp_path), "--train-lengths", "2-5", "--eval-lengths", "3-4", "--train-examples", "400",
+            "--eval-examples", "6", "--seed", "7", "--perm-seed", "3"]
+    assert depth_task.main(argv) == 0
+    params = json.loads((tmp_path / "task.json").read_text())
+    perms = np.array(params["permutations"])
+    assert params["permutations"] == depth_task.draw_permutations(3)
+
+    def answer(prompt: str) -> str:  # the permutations as index arrays, composed by numpy
+        start, *ops, eq = prompt.split()
+        assert eq == "=" and set(ops) <= {"a", "b"}
+        state = np.int64(start)
+        for op in ops:
+            state = perms["ab".index(op)][state]
+        return str(state)
+
     train = read_jsonl(tmp_path / "train.jsonl")
-    validation, test = read_jsonl(tmp_path / "validation.jsonl"), read_jsonl(tmp_path / "test.jsonl")
-    assert len(train) == 300 and [r["steps"] for r in validation] == [n for n in (1, 2, 3) for _ in range(5)]
-    assert [r["steps"] for r in test] == [n for n in (4, 5, 6) for _ in range(5)]
+    assert len(train) == 400 and {len(r["prompt"].split()) - 2 for r in train} == {2, 3, 4, 5}
     for row in train:
-        question, answer = row["text"].rsplit(" ", 1)
-        assert question.endswith("\nAnswer:") and reference_answer(question) == answer
-        assert 1 <= question.count(" + ") + question.count(" - ") <= 3
-    for row in validation + test:
-        assert row["answer"] == reference_answer(row["question"]) and row["text"] == f"{row['question']} {row['answer']}"
-        assert row["question"].count(" + ") + row["question"].count(" - ") == row["steps"]
-    assert not {r["text"] for r in test} & {r["text"] for r in train}
+        assert row["completion"] == f" {answer(row['prompt'])}" and row["text"] == row["prompt"] + row["completion"]
+    evaluation = []
+    for n in (3, 4):
+        rows = read_jsonl(tmp_path / f"eval_{n}.jsonl")
+        assert len(rows) == 6 and all(r["length"] == n and r["answer"] == answer(r["prompt"]) for r in rows)
+        evaluation += rows
+    validation = read_jsonl(tmp_path / "validation.jsonl")
+    key = lambda r: (r["prompt"], r["completion"])  # noqa: E731
+    assert sorted(map(key, validation)) == sorted(map(key, evaluation))
+    assert [r["length"] for r in validation] != sorted(r["length"] for r in validation)  # shuffled
+    assert not (tmp_path / "eval_5.jsonl").exists() and (tmp_path / "perm_3.yaml").is_file()
     again = tmp_path / "again"
-    depth_task.main(["--out", str(again), "--max-steps", "3", "--train-examples", "300", "--eval-examples", "5",
-                     "--seed", "7"])
-    assert all((again / f).read_bytes() == (tmp_path / f).read_bytes() for f in ("train.jsonl", "test.jsonl"))
+    depth_task.main([*argv[:1], str(again), *argv[2:]])
+    assert all((again / f).read_bytes() == (tmp_path / f).read_bytes() for f in ("train.jsonl", "validation.jsonl"))
 
 
-def test_bad_arguments_exit_2(depth_task, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "x").write_text("keep")
-    for argv in (["--max-steps", "0"], ["--pretrain", str(tmp_path / "model")]):
-        with pytest.raises(SystemExit) as exit_info:
-            depth_task.main(["--out", str(tmp_path / "task"), *argv])
-        assert exit_info.value.code == 2
-        assert capsys.readouterr().err.count("\n") == 1
-    assert not (tmp_path / "task").exists() and (tmp_path / "model" / "x").read_text() == "keep"
+def test_mod10_task_stays_available(depth_task, tmp_path: Path) -> None:
+    assert depth_task.main(["--task", "mod10", "--out", str(tmp_path), "--max-steps", "3", "--train-examples", "50",
+                            "--eval-examples", "4"]) == 0
+    for row in read_jsonl(tmp_path / "eval_5.jsonl"):
+        expression = row["prompt"].removeprefix("Question: ").split(" (mod 10)")[0]
+        assert row["answer"] == str(eval(expression) % 10) and row["length"] == 5  # noqa: S307 (digits, +/- only)
+    assert (tmp_path / "mod10_6.yaml").is_file() and not (tmp_path / "eval_7.jsonl").exists()
 
 
-def test_task_yaml_scores_exact_match(depth_task, tmp_path: Path) -> None:
-    """The generated harness task: the last number generated is the answer (an oracle 1, an oracle off by one 0)."""
+@pytest.mark.parametrize("argv", [["--train-examples", "0"], ["--train-lengths", "5-2"], ["--eval-lengths", "x"],
+                                  ["--task", "other"]])
+def test_bad_arguments_exit_2(depth_task, tmp_path: Path, capsys: pytest.CaptureFixture, argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        depth_task.main(["--out", str(tmp_path / "task"), *argv])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert not (tmp_path / "task").exists()
+
+
+def test_task_yamls_score_exact_match(depth_task, tmp_path: Path) -> None:
+    """The generated harness tasks: an oracle scores 1, an oracle off by one 0, per length and in the group."""
     from lm_eval import simple_evaluate
     from lm_eval.api.model import LM
     from lm_eval.tasks import TaskManager
 
-    depth_task.main(["--out", str(tmp_path), "--max-steps", "2", "--train-examples", "10", "--eval-examples", "3"])
-    answers = {row["question"]: row["answer"] for row in read_jsonl(tmp_path / "test.jsonl")}
+    depth_task.main(["--out", str(tmp_path), "--eval-lengths", "6-7", "--train-examples", "10", "--eval-examples", "3"])
+    answers = {row["prompt"]: row["answer"] for n in (6, 7) for row in read_jsonl(tmp_path / f"eval_{n}.jsonl")}
 
     class Oracle(LM):
         def __init__(self, shift: int) -> None:
@@ -76,7 +104,7 @@ def test_task_yaml_scores_exact_match(depth_task, tmp_path: Path) -> None:
             self.shift = shift
 
         def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-            return [f" 7 - 2 gives {(int(answers[r.args[0]]) + self.shift) % 10}" for r in requests]
+            return [f" {(int(answers[r.args[0]]) + self.shift) % 8}" for r in requests]
 
         def loglikelihood(self, requests, disable_tqdm: bool = False):
             raise NotImplementedError
@@ -84,7 +112,9 @@ def test_task_yaml_scores_exact_match(depth_task, tmp_path: Path) -> None:
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
             raise NotImplementedError
 
+    manager = TaskManager(include_defaults=False, include_path=str(tmp_path))
     for shift, expected in ((0, 1.0), (1, 0.0)):
-        result = simple_evaluate(model=Oracle(shift), tasks=[str(tmp_path / "depth_chain_test.yaml")],
-                                 task_manager=TaskManager(include_defaults=False, include_path=str(tmp_path)))
-        assert result["results"]["depth_chain_test"]["exact_match,flexible-extract"] == expected
+        for tasks, names in (([str(tmp_path / "perm_6.yaml"), "perm_7"], ("perm_6", "perm_7")), (["perm"], ("perm",))):
+            result = simple_evaluate(model=Oracle(shift), tasks=tasks, task_manager=manager)
+            for name in names:
+                assert result["results"][name]["exact_match,flexible-extract"] == expected

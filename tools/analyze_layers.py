@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--data", help="held-out file or glob: .jsonl/.json, .parquet, else plain text")
     data.add_argument("--config", help="train config TOML: use its validation split (data.validation_fraction > 0)")
     parser.add_argument("--text-field", default="text", help="jsonl/parquet field holding the text (default: text)")
+    parser.add_argument("--format", dest="data_format", choices=["text", "prompt_completion"], default="text",
+                        help="--data records: 'text' (loss on every token) or 'prompt_completion' (the loss on the "
+                        "completions only, e.g. a task's answers) (default text)")
     parser.add_argument("--tokens", type=int, default=65536, help="calibration tokens (default 65536)")
     parser.add_argument("--seq-len", type=int,
                         help="tokens per row (default: the config's training.seq_len, else 1024)")
@@ -131,7 +134,8 @@ def run(argv: list[str] | None = None) -> None:
     batch_size = min(args.batch_size, rows)
     num_batches = math.ceil(rows / batch_size)
     batches = list(heldout_batches(tokenizer, seq_len=seq_len, batch_size=batch_size, num_batches=num_batches,
-                                   data=args.data, text_field=args.text_field, config=args.config))
+                                   data=args.data, text_field=args.text_field, config=args.config,
+                                   data_format=args.data_format))
     data = args.data or f"{args.config} (validation split)"
     out = args.out or Path("outputs") / "layer_analysis" / Path(args.source).name
     out.mkdir(parents=True, exist_ok=True)  # before the work: an unwritable folder fails now

@@ -25,6 +25,17 @@ with "full" at r, and mean core iterations per decoded token, for full at lower 
     python tools/bench_generate.py memory --preset llama3.2-1b --shape 4,6,4 --tokens 2048
     OMP_NUM_THREADS=1 python tools/bench_generate.py quality --checkpoint outputs/demo/run/final_model \\
         --config train_configs/debug_model.toml --num-steps 16 --lower-steps 1,2,4,8
+
+task: accuracy of each test-time setting on a task of tools/make_depth_task.py, on a model that uses depth
+(tools/reproduce_mini.sh's). Each question is decoded token by token through the cache from BOS
+(teacher-forced: every question token runs the decode path with the setting's KV sharing, exit
+criterion and state init), and the answer is the greedy token after the last one. Reports exact match
+per length, mean core iterations per decoded token and the KV cache bytes, for full at each
+--recurrences, each --kv-sharing-modes and warm start at --num-steps, and every exit criterion at
+each of its thresholds (max_steps --num-steps).
+
+    OMP_NUM_THREADS=1 python tools/bench_generate.py task --checkpoint outputs/mini/runs/recurrent_s0/final_model \\
+        --task-dir outputs/mini/task --lengths 7-12
 """
 
 from __future__ import annotations
@@ -123,6 +134,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     quality.add_argument("--new-tokens", type=int, default=96)
     quality.add_argument("--batches", type=int, default=4)
     quality.add_argument("--batch-size", type=int, default=8)
+
+    task = commands.add_parser("task", help="task accuracy vs iterations of each depth setting (teacher-forced)")
+    task.add_argument("--checkpoint", required=True, help="recurrent model folder")
+    task.add_argument("--task-dir", type=Path, required=True, help="tools/make_depth_task.py output (eval_<n>.jsonl)")
+    task.add_argument("--lengths", default="7-12", help="evaluation lengths A-B (default 7-12)")
+    task.add_argument("--num-steps", type=int, default=32, help="r of the reference and max_steps of exits")
+    task.add_argument("--recurrences", default="1,2,4,8,16", help="full at these r too (the fixed-depth baseline)")
+    task.add_argument("--kv-sharing-modes", default="latest,compress-2,compress-4")
+    task.add_argument("--thresholds", default="kl:1e-2,1e-3,1e-4;latent-diff:0.1,0.03,0.01;"
+                      "entropy-diff:1e-2,1e-3,1e-4;argmax:2,5",
+                      help="criterion:thresholds;... (default Huginn's ranges around its defaults)")
+    task.add_argument("--limit", type=int, help="questions per length (default all)")
     return parser.parse_args(argv)
 
 
@@ -280,9 +303,62 @@ def run_quality(args: argparse.Namespace) -> None:
               f"{mean_steps:.2f} | {mean_steps / r:.0%} | {float(torch.cat(calls).mean()):.2f} |", flush=True)
 
 
+# --- task ---------------------------------------------------------------------------------------
+
+
+def task_settings(args: argparse.Namespace) -> dict[str, dict]:
+    """The depth settings of `task`, by name: fixed r, KV sharing, warm start, and each exit criterion."""
+    r = args.num_steps
+    settings = {f"full r={k}": dict(num_steps=k) for k in sorted({*map(int, args.recurrences.split(",")), r})}
+    settings.update({f"{mode} r={r}": dict(num_steps=r, kv_sharing=mode) for mode in args.kv_sharing_modes.split(",")})
+    settings[f"full r={r}, warm start"] = dict(num_steps=r, state_init="previous")
+    for spec in args.thresholds.split(";"):
+        criterion, _, values = spec.partition(":")
+        for threshold in map(float, values.split(",")):
+            rule = f"stable for {threshold:g} checks" if criterion == "argmax" else f"< {threshold:g}"
+            settings[f"exit {criterion} {rule} (max {r})"] = dict(
+                num_steps=r, exit_criterion=criterion, exit_threshold=threshold)
+    return settings
+
+
+def run_task(args: argparse.Namespace) -> None:
+    import json
+
+    from titan_recur.eval.loading import load_checkpoint
+    from titan_recur.tokenizer import load_tokenizer
+
+    model, tokenizer = load_checkpoint(args.checkpoint), load_tokenizer(args.checkpoint)
+    low, _, high = args.lengths.partition("-")
+    lengths = range(int(low), int(high or low) + 1)
+    questions = {}
+    for n in lengths:  # one batch per length: the questions of a length have the same token count
+        rows = [json.loads(line) for line in (args.task_dir / f"eval_{n}.jsonl").open()][: args.limit]
+        ids = torch.tensor([tokenizer.encode(row["prompt"], bos=True, eos=False) for row in rows])
+        answers = torch.tensor([tokenizer.encode(row["completion"], bos=False, eos=False)[0] for row in rows])
+        questions[n] = (ids, answers)
+    print(f"# {args.checkpoint}: {sum(len(a) for _, a in questions.values())} questions of lengths "
+          f"{lengths[0]}-{lengths[-1]}, each decoded token by token from BOS")
+    print("| setting | exact match | " + " | ".join(f"len {n}" for n in lengths)
+          + " | mean iterations / token | KV cache (bytes / question) |")
+    print("|---|---:|" + "---:|" * len(lengths) + "---:|---:|")
+    for name, knobs in task_settings(args).items():
+        hits, per_length, steps, cache = 0, [], [], 0
+        for n, (ids, answers) in questions.items():
+            options = GenerationOptions(max_new_tokens=ids.shape[1], **knobs)
+            out = generate(model, ids[:, :1], options, forced_tokens=ids[:, 1:], return_logits=True)
+            correct = out.logits[:, -1].argmax(-1) == answers
+            hits += int(correct.sum())
+            per_length.append(float(correct.float().mean()))
+            steps.append(out.steps[:, 1:].float().flatten())  # the decoded question tokens
+            cache = max(cache, out.kv_cache_bytes // len(answers))
+        total = sum(len(a) for _, a in questions.values())
+        print(f"| {name} | {hits / total:.3f} | " + " | ".join(f"{a:.2f}" for a in per_length)
+              + f" | {float(torch.cat(steps).mean()):.2f} | {cache:,} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    {"speed": run_speed, "memory": run_memory, "quality": run_quality}[args.command](args)
+    {"speed": run_speed, "memory": run_memory, "quality": run_quality, "task": run_task}[args.command](args)
     return 0
 
 

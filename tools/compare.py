@@ -27,7 +27,7 @@ examples:
       --recurrences 1,2,4,8,16,32 --out outputs/compare
 
   # every checkpoint too (accuracy along training), a local task file, 200 examples per task
-  python tools/compare.py outputs/rec outputs/static --task outputs/task/depth_chain_long.yaml --checkpoints \\
+  python tools/compare.py outputs/rec outputs/static --task outputs/task/perm_12.yaml --checkpoints \\
       --limit 200 --max-gen-toks 8 --out outputs/compare
 
 Errors are one line on stderr, exit code 2, before any model is loaded.

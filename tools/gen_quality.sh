@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
-# The quality trade-off table of docs/generation.md, on CPU in ~3 minutes: the demo's model
-# (tools/demo.sh: the bundled tiny Llama retrofit 1,2,1 with a random adapter, trained 100 steps on
-# 2 ranks; its held-out loss falls from r = 1 to r = 4), decoded token by token through the cache
-# at cheaper depths than r = 16 (tools/bench_generate.py quality). Extra arguments go to the
-# quality command.
+# The quality trade-off table of docs/generation.md: the test-time settings (fixed r, KV sharing, warm start,
+# every exit criterion at several thresholds) on a model that uses depth, the recurrent arm of
+# tools/reproduce_mini.sh (run first if outputs/mini is absent, ~12.5 min on 2 cores), on the long chains
+# of its task: ~2.5 min of decoding. Extra arguments go to tools/bench_generate.py task.
 #
-#   bash tools/gen_quality.sh [--num-steps 16 ...]
+#   bash tools/gen_quality.sh [--num-steps 32 ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
-MODEL=outputs/demo/run/final_model
+MODEL=outputs/mini/runs/recurrent_s0/final_model
 
 if [[ ! -f "$MODEL/config.json" ]]; then
-  bash tools/demo.sh
+  bash tools/reproduce_mini.sh
 fi
-OMP_NUM_THREADS=1 "$PYTHON" tools/bench_generate.py quality --checkpoint "$MODEL" \
-  --config train_configs/debug_model.toml --num-steps 16 --lower-steps 1,2,4,8 "$@"
+OMP_NUM_THREADS=1 "$PYTHON" tools/bench_generate.py task --checkpoint "$MODEL" --task-dir outputs/mini/task \
+  --lengths 7-12 "$@"

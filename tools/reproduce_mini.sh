@@ -1,46 +1,50 @@
 #!/usr/bin/env bash
 # The paper's question in miniature, on CPU: at equal training compute, does retrofitting recurrence
-# beat post-training the static model, and does accuracy grow with test-time depth?
+# into a pretrained model beat post-training it without recurrence, and does accuracy grow with
+# test-time depth?
 #
-#   bash tools/reproduce_mini.sh [--quick] [--steps N] [--eval-examples N] [--out DIR] [--source HF_FOLDER]
+#   bash tools/reproduce_mini.sh [--quick] [--seeds N] [--steps N] [--eval-examples N] [--out DIR] [--source HF_FOLDER]
 #
-# Stages (fixed seeds, offline, 2 ranks on gloo):
-#   1. task     tools/make_depth_task.py: chains of +/- digit operations mod 10, train 1-3 operations,
-#               validation 1-3 (in distribution), test 4-6 (longer than any training chain)
-#   2. convert  tools/convert_hf.py assets/depth_llama (8 layers, pretrained on the task + general text)
-#               -> recurrent (2,2,2) and static (all 8 layers)
-#   3. train    the recurrent model: 1-sqrt curriculum to mean 4 over 75% of the steps, Muon
-#   4. match    tools/flops.py --match: the static steps costing the same training FLOPs (paper convention;
-#               the full convention's count is reported beside it)
-#   5. train    the static model for that many steps, same data, optimizer and schedule shape
-#   6. compare  tools/compare.py: exact match (harness, greedy generation) on both splits and held-out loss,
-#               at r = 1..32, for every checkpoint of both runs; tables and plots in OUT/compare
-# --quick runs every stage with a few steps and examples (the test suite's end-to-end check).
-# --steps N trains the recurrent arm N steps (default 200; checkpoints every N/4) and --eval-examples N
-# scores N questions per chain length (default 40): longer or larger runs of the same pipeline.
+# Stages (fixed seeds, offline; each training run is one process of one thread, two runs at a time):
+#   1. task     tools/make_depth_task.py: the permutation word problem (8 states, two fixed permutations
+#               generating A_8, `3 a b a = 5`), training chains of 1-12 operators, 100 questions per
+#               length 1..12 for evaluation (one harness task each)
+#   2. convert  tools/convert_hf.py on the source (assets/perm_llama: a 4-layer d-128 Llama pretrained by
+#               this trainer on chains of 1-6, which it solves; tools/make_mini_source.sh rebuilds it):
+#               recurrent 1,2,1 (nothing dropped, identity adapter: r = 1 is the source exactly), static
+#   3. match    tools/flops.py --match: the static steps costing the recurrent arm's training FLOPs
+#   4. train    the recurrent arm once per seed (1-sqrt curriculum to mean 4 over 75% of the steps,
+#               backprop depth 4, Muon, loss on every token, 400 steps of 16 x 64 tokens), and the static
+#               arm at 1x, 2x and 4x the matched FLOPs (same data, optimizer and schedule shape)
+#   6. compare  tools/compare.py: exact match per chain length (harness, greedy generation) and the
+#               answer-only held-out loss at r = 1..32 for every run; tools/summarize_mini.py: the tables
+#               with mean and spread over seeds, and the headline plots, in OUT/summary.md
+# --quick: one seed, 120 steps, the 1x static arm, 50 questions per length 7-12 (long chains only),
+# r = 1 and 4, both runs on 2 ranks (torchrun + gloo + FSDP2): the test suite's run, which asserts the
+# effect's direction on it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 QUICK=0
 OUT=outputs/mini
-SOURCE=assets/depth_llama
-STEPS_ARG=
-EVAL_ARG=
+SOURCE=assets/perm_llama
+SEEDS_ARG= STEPS_ARG= EVAL_ARG=
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
+    --seeds) SEEDS_ARG=${2:?--seeds needs a number}; shift ;;
     --steps) STEPS_ARG=${2:?--steps needs a number}; shift ;;
     --eval-examples) EVAL_ARG=${2:?--eval-examples needs a number}; shift ;;
     --out) OUT=${2:?--out needs a folder}; shift ;;
     --source) SOURCE=${2:?--source needs an HF model folder}; shift ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "reproduce_mini.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
-for value in "$STEPS_ARG" "$EVAL_ARG"; do
+for value in "$SEEDS_ARG" "$STEPS_ARG" "$EVAL_ARG"; do
   if [ -n "$value" ] && ! [[ "$value" =~ ^[1-9][0-9]*$ ]]; then
-    echo "reproduce_mini.sh: error: --steps and --eval-examples take an integer >= 1, got $value" >&2
+    echo "reproduce_mini.sh: error: --seeds, --steps and --eval-examples take an integer >= 1, got $value" >&2
     exit 2
   fi
 done
@@ -49,17 +53,17 @@ done
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TORCHINDUCTOR_CACHE_DIR="$PWD/.cache/inductor"
 PY=.venv/bin/python
-SEED=0
-SHAPE=2,2,2
+SHAPE=1,2,1
 MEAN=4
 if [ "$QUICK" = 1 ]; then
-  TRAIN_EXAMPLES=2000; EVAL_EXAMPLES=4; STEPS=6; RECURRENCES=1,4; LOSS_BATCHES=2
+  SEEDS=1; STEPS=120; EVAL_EXAMPLES=50; EVAL_LENGTHS=7-12; RECURRENCES=1,4; FACTORS="1"; LOSS_BATCHES=2; RANKS=2
 else
-  TRAIN_EXAMPLES=100000; EVAL_EXAMPLES=40; STEPS=200; RECURRENCES=1,2,4,8,16,32; LOSS_BATCHES=8
+  SEEDS=3; STEPS=400; EVAL_EXAMPLES=100; EVAL_LENGTHS=1-12; RECURRENCES=1,2,4,8,16,32; FACTORS="1 2 4"; LOSS_BATCHES=16
+  RANKS=1
 fi
+SEEDS=${SEEDS_ARG:-$SEEDS}
 STEPS=${STEPS_ARG:-$STEPS}
 EVAL_EXAMPLES=${EVAL_ARG:-$EVAL_EXAMPLES}
-if [ "$QUICK" = 1 ]; then INTERVAL=3; else INTERVAL=$(( STEPS >= 4 ? STEPS / 4 : 1 )); fi
 
 if [ -e "$OUT" ] && [ ! -f "$OUT/timings.tsv" ] && [ -n "$(ls -A "$OUT")" ]; then
   echo "reproduce_mini.sh: error: $OUT exists and is not an earlier output of this script; choose another --out" >&2
@@ -70,8 +74,9 @@ if [ ! -f "$SOURCE/config.json" ]; then
   exit 2
 fi
 rm -rf "$OUT"
-mkdir -p "$OUT/configs"
+mkdir -p "$OUT/configs" "$OUT/logs"
 TIMINGS="$OUT/timings.tsv"
+START=$(date +%s.%N)
 printf 'stage\twall_s\tuser_s\tsys_s\n' > "$TIMINGS"
 
 # stage NAME CMD...: run CMD; append its wall and CPU seconds (user, system; children included) to timings.tsv.
@@ -95,29 +100,52 @@ cpu_seconds() {
   CPU=$(tail -n 1 "$TIMES_FILE" | awk '{for (i = 1; i <= 2; i++) {split($i, t, /[ms]/); printf "%.2f ", t[1] * 60 + t[2]}}')
 }
 
-torchrun2() { "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 "$@"; }
+# train NAME: one training run, on 2 ranks (torchrun + gloo + FSDP2) or as one process.
+train() {
+  if [ "$RANKS" = 2 ]; then
+    "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m titan_recur.train --config "$OUT/configs/$1.toml"
+  else
+    "$PY" -m titan_recur.train --config "$OUT/configs/$1.toml"
+  fi
+}
 
-# One train config per arm: identical except [job], [model], [training] steps and [recurrence].
-write_config() {  # write_config NAME MODEL STEPS RECURRENCE_TOML
+# in_background NAME: stage train_NAME in the background, two at a time (one process each); finish waits for all.
+JOBS=0
+in_background() {
+  if [ "$RANKS" = 2 ]; then stage "train_$1" train "$1"; return; fi
+  if [ "$JOBS" -ge 2 ]; then wait -n || { echo "reproduce_mini.sh: error: a training run failed" >&2; exit 1; }; JOBS=$(( JOBS - 1 )); fi
+  stage "train_$1" train "$1" > "$OUT/logs/$1.log" 2>&1 &
+  JOBS=$(( JOBS + 1 ))
+}
+finish() {
+  while [ "$JOBS" -gt 0 ]; do
+    wait -n || { echo "reproduce_mini.sh: error: a training run failed (logs in $OUT/logs)" >&2; exit 1; }
+    JOBS=$(( JOBS - 1 ))
+  done
+}
+
+# One train config per run: identical except [job], [model], [training] steps, [recurrence] and the checkpoint
+# interval (half the steps: the halfway checkpoint is evaluated too).
+write_config() {  # write_config NAME MODEL STEPS SEED RECURRENCE_TOML
   cat > "$OUT/configs/$1.toml" <<TOML
 [job]
 dump_folder = "$OUT/runs/$1"
-description = "reproduce_mini: $1 arm"
-seed = $SEED
+description = "reproduce_mini: $1"
+seed = $4
 
 [model]
 path = "$2"
 
 [training]
 steps = $3
-local_batch_size = 8
+local_batch_size = $(( 16 / RANKS ))
 global_batch_size = 16
-seq_len = 128
+seq_len = 64
 compile = false
 ac_mode = "none"
 
 [recurrence]
-$4
+$5
 
 [optimizer]
 name = "muon"
@@ -129,61 +157,74 @@ warmup_fraction = 0.05
 decay_fraction = 0.5
 
 [checkpoint]
-interval = $INTERVAL
+interval = $(( $3 >= 2 ? $3 / 2 : 1 ))
 keep_latest_k = 0
 
 [data]
 [[data.sources]]
-name = "depth_task"
+name = "perm_task"
 path = "$OUT/task/train.jsonl"
 kind = "jsonl"
+shuffle_buffer = 10000
 
 [metrics]
-log_freq = 25
+log_freq = 50
 enable_tensorboard = false
 TOML
 }
 
-stage task "$PY" tools/make_depth_task.py --out "$OUT/task" --max-steps 3 --seed "$SEED" \
-  --train-examples "$TRAIN_EXAMPLES" --eval-examples "$EVAL_EXAMPLES"
-
+stage task "$PY" tools/make_depth_task.py --out "$OUT/task" --train-lengths 1-12 --eval-lengths "$EVAL_LENGTHS" \
+  --eval-examples "$EVAL_EXAMPLES" --seed 0
 stage convert_recurrent "$PY" tools/convert_hf.py "$SOURCE" "$OUT/models/recurrent" --shape "$SHAPE" \
-  --mean-recurrence "$MEAN" --seed "$SEED"
+  --mean-recurrence "$MEAN"
 stage convert_static "$PY" tools/convert_hf.py "$SOURCE" "$OUT/models/static" --static
 
-write_config recurrent "$OUT/models/recurrent" "$STEPS" \
-  "mean_recurrence = $MEAN
+RUNS=()
+for (( seed = 0; seed < SEEDS; seed++ )); do
+  write_config "recurrent_s$seed" "$OUT/models/recurrent" "$STEPS" "$seed" "mean_recurrence = $MEAN
 backprop_depth = $MEAN
 curriculum = \"1-sqrt\"
 warmup_fraction = 0.75
-seed = 514229"
-stage train_recurrent torchrun2 -m titan_recur.train --config "$OUT/configs/recurrent.toml"
-
-write_config static "$OUT/models/static" 1 "mean_recurrence = 1
+seed = $(( 514229 + seed ))"
+  RUNS+=("$OUT/runs/recurrent_s$seed")
+done
+STATIC_RECURRENCE="mean_recurrence = 1
 curriculum = \"none\""
-stage match "$PY" tools/flops.py --config "$OUT/configs/recurrent.toml" --world-size 2 \
-  --match "$OUT/configs/static.toml" --json > "$OUT/flops_match.json"
+write_config static_x1 "$OUT/models/static" 1 0 "$STATIC_RECURRENCE"
+stage match "$PY" tools/flops.py --config "$OUT/configs/recurrent_s0.toml" --world-size "$RANKS" \
+  --match "$OUT/configs/static_x1.toml" --json > "$OUT/flops_match.json"
 MATCHED=$("$PY" -c 'import json, sys
 m = json.load(open(sys.argv[1]))["matched_steps"]; print(round(m["paper"]), round(m["full"]))' "$OUT/flops_match.json")
 read -r STATIC_STEPS STATIC_STEPS_FULL <<< "$MATCHED"
 echo "compute-matched static steps: $STATIC_STEPS (paper convention), $STATIC_STEPS_FULL (full convention)"
-write_config static "$OUT/models/static" "$STATIC_STEPS" "mean_recurrence = 1
-curriculum = \"none\""
-stage train_static torchrun2 -m titan_recur.train --config "$OUT/configs/static.toml"
 
-stage compare "$PY" tools/compare.py "$OUT/runs/recurrent" "$OUT/runs/static" \
-  --task "$OUT/task/depth_chain_validation.yaml,$OUT/task/depth_chain_test.yaml" \
-  --data "$OUT/task/validation.jsonl" --loss-batches "$LOSS_BATCHES" --recurrences "$RECURRENCES" \
-  --checkpoints --max-gen-toks 4 --out "$OUT/compare"
+STATIC=()
+for factor in $FACTORS; do
+  write_config "static_x$factor" "$OUT/models/static" $(( factor * STATIC_STEPS )) 0 "$STATIC_RECURRENCE"
+  STATIC=("static_x$factor" "${STATIC[@]}")  # the longest first: two runs at a time then finish sooner
+  RUNS+=("$OUT/runs/static_x$factor")
+done
+in_background "${STATIC[0]}"
+for (( seed = 0; seed < SEEDS; seed++ )); do in_background "recurrent_s$seed"; done
+for name in "${STATIC[@]:1}"; do in_background "$name"; done
+finish
 
-awk -F'\t' 'NR > 1 {w += $2; u += $3; s += $4} END {printf "total\t%.1f\t%.1f\t%.1f\n", w, u, s}' "$TIMINGS" >> "$TIMINGS"
+TASKS=$(ls "$OUT"/task/perm_*.yaml | sort -t_ -k2 -n | paste -sd, -)
+stage compare "$PY" tools/compare.py "${RUNS[@]}" --task "$TASKS" --data "$OUT/task/validation.jsonl" \
+  --format prompt_completion --loss-batches "$LOSS_BATCHES" --recurrences "$RECURRENCES" --checkpoints \
+  --batch-size 100 --max-gen-toks 2 --out "$OUT/compare"
+stage summarize "$PY" tools/summarize_mini.py "$OUT/compare/compare.json" --out "$OUT/summary"
+
+# total: the elapsed wall time (training runs overlap, two at a time) and the CPU seconds of every stage.
+awk -F'\t' -v wall="$(awk -v t0="$START" -v t1="$(date +%s.%N)" 'BEGIN {print t1 - t0}')" \
+  'NR > 1 {u += $3; s += $4} END {printf "total\t%.1f\t%.1f\t%.1f\n", wall, u, s}' "$TIMINGS" >> "$TIMINGS"
 echo
 column -t -s $'\t' "$TIMINGS"
 cat <<TXT
 
 Done. Compute-matched static steps: $STATIC_STEPS (paper convention), $STATIC_STEPS_FULL (full).
-  tables:   $OUT/compare/compare.md ($OUT/compare/compare.json)
-  plots:    $OUT/compare/*_vs_r.png, $OUT/compare/*_vs_flops.png
-  runs:     $OUT/runs/{recurrent,static} (metrics.jsonl, checkpoints/, final_model/)
-  timings:  $TIMINGS (wall and CPU seconds per stage)
+  summary:  $OUT/summary/summary.md ($OUT/summary/summary.json, $OUT/summary/*.png)
+  tables:   $OUT/compare/compare.md ($OUT/compare/compare.json), per chain length and run
+  runs:     $OUT/runs/{recurrent_s*,static_x*} (metrics.jsonl, checkpoints/, final_model/)
+  timings:  $TIMINGS (wall and CPU seconds per stage; training stages overlap, total is the elapsed wall)
 TXT

@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# Build the source model of tools/reproduce_mini.sh (assets/perm_llama) by pretraining from scratch with the
+# project's own trainer, and check it before it may be shipped. Deterministic (one process, one thread):
+# the same machine type gives bit-identical weights.
+#
+#   bash tools/make_mini_source.sh [--out DIR] [--layers N] [--install]
+#
+# Stages:
+#   1. task      tools/make_depth_task.py: the permutation word problem (perm seed 0), training chains of
+#                1-2, 1-4 and 1-6 operators (a length curriculum), evaluation lengths 1-12
+#   2. pretrain  titan_recur.train from scratch (model.dim 128, 4 layers, 4 heads, SwiGLU 256, vocab 512,
+#                static): 4,000 AdamW steps of 16 x 64 tokens (lr 3e-3, cosine to 0.03x), the loss on the
+#                answers only (format = "prompt_completion"), data phases 1-2 -> 1-4 (step 300) -> 1-6 (step 800)
+#   3. marginals 300 AdamW steps with the loss on every token (format "text"), so that the all-token
+#                post-training of tools/reproduce_mini.sh starts without large gradients on the prompts
+#   4. export    tools/export_hf.py: an ordinary HF folder (LlamaForCausalLM), what convert_hf.py reads
+#   5. gate      the harness at every training length 1-6: each must be >= 0.99 exact match, else exit 1
+#                (a source that has not learned its lengths gives no retrofit effect: docs/results.md)
+# --layers N builds the same recipe with N blocks (default 4; docs/surgery.md's study uses 6). --install
+# copies the checked folder to assets/perm_llama (4 layers only).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=outputs/mini_source
+INSTALL=0
+LAYERS=4
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT=${2:?--out needs a folder}; shift ;;
+    --install) INSTALL=1 ;;
+    --layers) LAYERS=${2:?--layers needs a number}; shift ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "make_mini_source.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+if ! [[ "$LAYERS" =~ ^[1-9][0-9]*$ ]] || { [ "$INSTALL" = 1 ] && [ "$LAYERS" != 4 ]; }; then
+  echo "make_mini_source.sh: error: --layers takes an integer >= 1 (and --install the default 4), got $LAYERS" >&2
+  exit 2
+fi
+if [ -e "$OUT" ] && [ ! -f "$OUT/.make_mini_source" ] && [ -n "$(ls -A "$OUT")" ]; then
+  echo "make_mini_source.sh: error: $OUT exists and is not an earlier output of this script; choose another --out" >&2
+  exit 2
+fi
+[ -x .venv/bin/python ] || bash tools/setup_env.sh
+export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PY=.venv/bin/python
+rm -rf "$OUT"
+mkdir -p "$OUT/configs"
+touch "$OUT/.make_mini_source"
+
+for spec in 1-2:21 1-4:22 1-6:1; do  # training lengths : question seed
+  "$PY" tools/make_depth_task.py --out "$OUT/task_${spec%:*}" --train-lengths "${spec%:*}" --eval-lengths 1-12 \
+    --seed "${spec#*:}"
+done
+
+cat > "$OUT/configs/pretrain.toml" <<TOML
+[job]
+dump_folder = "$OUT/pretrain"
+description = "make_mini_source: answer-only pretraining from scratch, length curriculum"
+seed = 0
+
+[model]
+init = "random"
+dim = 128
+n_layers = $LAYERS
+n_heads = 4
+ffn_dim = 256
+vocab_size = 512
+
+[training]
+steps = 4000
+local_batch_size = 16
+seq_len = 64
+compile = false
+ac_mode = "none"
+
+[recurrence]
+mean_recurrence = 1
+curriculum = "none"
+
+[optimizer]
+name = "adamw"
+adamw_lr = 3e-3
+adamw_weight_decay = 0.1
+adamw_eps = 1e-8
+
+[lr_scheduler]
+warmup_fraction = 0.05
+decay_fraction = 0.95
+min_lr_factor = 0.03
+
+[checkpoint]
+interval = 1000
+keep_latest_k = 1
+
+[data]
+tokenizer = "assets/tokenizer"
+[[data.phases]]
+start_step = 0
+[[data.phases.sources]]
+path = "$OUT/task_1-2/train.jsonl"
+kind = "jsonl"
+format = "prompt_completion"
+[[data.phases]]
+start_step = 300
+[[data.phases.sources]]
+path = "$OUT/task_1-4/train.jsonl"
+kind = "jsonl"
+format = "prompt_completion"
+[[data.phases]]
+start_step = 800
+[[data.phases.sources]]
+path = "$OUT/task_1-6/train.jsonl"
+kind = "jsonl"
+format = "prompt_completion"
+
+[metrics]
+log_freq = 100
+enable_tensorboard = false
+TOML
+
+cat > "$OUT/configs/marginals.toml" <<TOML
+[job]
+dump_folder = "$OUT/marginals"
+description = "make_mini_source: 300 steps with the loss on every token"
+seed = 0
+
+[model]
+path = "$OUT/pretrain/final_model"
+
+[training]
+steps = 300
+local_batch_size = 16
+seq_len = 64
+compile = false
+ac_mode = "none"
+
+[recurrence]
+mean_recurrence = 1
+curriculum = "none"
+
+[optimizer]
+name = "adamw"
+adamw_lr = 1e-3
+adamw_weight_decay = 0.1
+adamw_eps = 1e-8
+
+[lr_scheduler]
+warmup_fraction = 0.05
+decay_fraction = 0.5
+min_lr_factor = 0.1
+
+[checkpoint]
+interval = 300
+keep_latest_k = 1
+
+[data]
+[[data.sources]]
+path = "$OUT/task_1-6/train.jsonl"
+kind = "jsonl"
+
+[metrics]
+log_freq = 50
+enable_tensorboard = false
+TOML
+
+"$PY" -m titan_recur.train --config "$OUT/configs/pretrain.toml"
+"$PY" -m titan_recur.train --config "$OUT/configs/marginals.toml"
+"$PY" tools/export_hf.py "$OUT/marginals/final_model" "$OUT/hf"
+
+TASKS=$(ls "$OUT"/task_1-6/perm_*.yaml | sort -t_ -k3 -n | paste -sd, -)
+"$PY" -m titan_recur.eval harness --model-args "pretrained=$OUT/marginals/final_model,batch_size=100,max_gen_toks=2" \
+  --tasks "$TASKS" --recurrences 1 --out "$OUT/gate"
+"$PY" - "$OUT/gate/table.json" <<'PY'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1])) if r["metric"].startswith("exact_match")]
+scores = {int(r["task"].rsplit("_", 1)[1]): r["1"] for r in rows}
+failed = {n: s for n, s in scores.items() if n <= 6 and s < 0.99}
+print("gate: exact match per length " + ", ".join(f"{n}: {s:.2f}" for n, s in sorted(scores.items())))
+if failed:
+    sys.exit(f"make_mini_source.sh: error: the source does not solve its training lengths (>= 0.99): {failed}")
+PY
+if [ "$INSTALL" = 1 ]; then
+  rm -rf assets/perm_llama
+  cp -r "$OUT/hf" assets/perm_llama
+  echo "installed $OUT/hf as assets/perm_llama"
+fi
+echo "source model: $OUT/hf (gate passed: $OUT/gate/table.md)"
