@@ -154,7 +154,7 @@ def test_pretokenized_labels_give_the_records_rows(tmp_path, seq_len_flag):
                     "--workers", "1", *seq_len_flag], check=True, capture_output=True)
     tokenized = Data(sources=[DataSource(path=str(out / "*.parquet"), kind="tokenized")])
     records = Data(sources=[records_source(path)])
-    for got, want in zip(islice(iter(masked_loader(tokenized)), 5), islice(iter(masked_loader(records)), 5)):
+    for got, want in zip(islice(iter(masked_loader(tokenized)), 5), islice(iter(masked_loader(records)), 5), strict=True):
         assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["labels"], want["labels"])
 
 

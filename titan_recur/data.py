@@ -88,7 +88,7 @@ def _fields(s: DataSource) -> list[str]:
 
 def _documents(columns: dict[str, list], fields: list[str]) -> list:
     """A read batch as documents: a column's values, or tuples (prompt, completion) / (ids, labels)."""
-    return list(columns[fields[0]]) if len(fields) == 1 else list(zip(*(columns[f] for f in fields)))
+    return list(columns[fields[0]]) if len(fields) == 1 else list(zip(*(columns[f] for f in fields), strict=True))
 
 
 def read_documents(ds: datasets.IterableDataset, s: DataSource, batch_size: int) -> Iterator[list]:
@@ -196,7 +196,7 @@ def check_text(doc: Any, s: DataSource) -> None:
     """A text field must hold strings (a number or a list would only fail later, inside the tokenizer); a
     prompt-completion record must have both fields."""
     if isinstance(doc, tuple):
-        for name, value in zip((s.prompt_field, s.completion_field), doc):
+        for name, value in zip((s.prompt_field, s.completion_field), doc, strict=True):
             if value is None:
                 raise DataError(f"data source {s.name or s.path!r}: a record without the {name!r} field "
                                 f"(format 'prompt_completion' needs {s.prompt_field!r} and {s.completion_field!r})")

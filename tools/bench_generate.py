@@ -343,7 +343,7 @@ def run_task(args: argparse.Namespace) -> None:
     print("|---|---:|" + "---:|" * len(lengths) + "---:|---:|")
     for name, knobs in task_settings(args).items():
         hits, per_length, steps, cache = 0, [], [], 0
-        for n, (ids, answers) in questions.items():
+        for ids, answers in questions.values():
             options = GenerationOptions(max_new_tokens=ids.shape[1], **knobs)
             out = generate(model, ids[:, :1], options, forced_tokens=ids[:, 1:], return_logits=True)
             correct = out.logits[:, -1].argmax(-1) == answers

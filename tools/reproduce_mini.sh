@@ -4,6 +4,7 @@
 # test-time depth?
 #
 #   bash tools/reproduce_mini.sh [--quick] [--seeds N] [--steps N] [--eval-examples N] [--out DIR] [--source HF_FOLDER]
+#                                [--surgery "CONVERT FLAGS"] [--static-factors "1 2 4" | --static-factors ""]
 #
 # Stages (fixed seeds, offline; each training run is one process of one thread, two runs at a time):
 #   1. task     tools/make_depth_task.py: the permutation word problem (8 states, two fixed permutations
@@ -16,9 +17,11 @@
 #   4. train    the recurrent arm once per seed (1-sqrt curriculum to mean 4 over 75% of the steps,
 #               backprop depth 4, Muon, loss on every token, 400 steps of 16 x 64 tokens), and the static
 #               arm at 1x, 2x and 4x the matched FLOPs (same data, optimizer and schedule shape)
-#   6. compare  tools/compare.py: exact match per chain length (harness, greedy generation) and the
+#   5. compare  tools/compare.py: exact match per chain length (harness, greedy generation) and the
 #               answer-only held-out loss at r = 1..32 for every run; tools/summarize_mini.py: the tables
 #               with mean and spread over seeds, and the headline plots, in OUT/summary.md
+# --surgery replaces --shape 1,2,1 in the recurrent conversion (e.g. "--prelude 0 --core 1-2 --coda 5",
+# docs/surgery.md's study); --static-factors chooses the static arms ("" for none).
 # --quick: one seed, 120 steps, the 1x static arm, 50 questions per length 7-12 (long chains only),
 # r = 1 and 4, both runs on 2 ranks (torchrun + gloo + FSDP2): the test suite's run, which asserts the
 # effect's direction on it.
@@ -28,7 +31,7 @@ cd "$(dirname "$0")/.."
 QUICK=0
 OUT=outputs/mini
 SOURCE=assets/perm_llama
-SEEDS_ARG= STEPS_ARG= EVAL_ARG=
+SEEDS_ARG= STEPS_ARG= EVAL_ARG= SURGERY= FACTORS_ARG=unset
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -37,7 +40,9 @@ while [ $# -gt 0 ]; do
     --eval-examples) EVAL_ARG=${2:?--eval-examples needs a number}; shift ;;
     --out) OUT=${2:?--out needs a folder}; shift ;;
     --source) SOURCE=${2:?--source needs an HF model folder}; shift ;;
-    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --surgery) SURGERY=${2:?--surgery needs convert_hf.py flags}; shift ;;
+    --static-factors) FACTORS_ARG=${2?--static-factors needs a list}; shift ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "reproduce_mini.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -64,6 +69,10 @@ fi
 SEEDS=${SEEDS_ARG:-$SEEDS}
 STEPS=${STEPS_ARG:-$STEPS}
 EVAL_EXAMPLES=${EVAL_ARG:-$EVAL_EXAMPLES}
+[ "$FACTORS_ARG" = unset ] || FACTORS=$FACTORS_ARG
+for value in $FACTORS; do
+  [[ "$value" =~ ^[1-9][0-9]*$ ]] || { echo "reproduce_mini.sh: error: --static-factors takes integers >= 1, got $value" >&2; exit 2; }
+done
 
 if [ -e "$OUT" ] && [ ! -f "$OUT/timings.tsv" ] && [ -n "$(ls -A "$OUT")" ]; then
   echo "reproduce_mini.sh: error: $OUT exists and is not an earlier output of this script; choose another --out" >&2
@@ -175,7 +184,8 @@ TOML
 
 stage task "$PY" tools/make_depth_task.py --out "$OUT/task" --train-lengths 1-12 --eval-lengths "$EVAL_LENGTHS" \
   --eval-examples "$EVAL_EXAMPLES" --seed 0
-stage convert_recurrent "$PY" tools/convert_hf.py "$SOURCE" "$OUT/models/recurrent" --shape "$SHAPE" \
+# shellcheck disable=SC2086  # --surgery is a list of flags
+stage convert_recurrent "$PY" tools/convert_hf.py "$SOURCE" "$OUT/models/recurrent" ${SURGERY:---shape $SHAPE} \
   --mean-recurrence "$MEAN"
 stage convert_static "$PY" tools/convert_hf.py "$SOURCE" "$OUT/models/static" --static
 
@@ -204,7 +214,7 @@ for factor in $FACTORS; do
   STATIC=("static_x$factor" "${STATIC[@]}")  # the longest first: two runs at a time then finish sooner
   RUNS+=("$OUT/runs/static_x$factor")
 done
-in_background "${STATIC[0]}"
+[ "${#STATIC[@]}" -gt 0 ] && in_background "${STATIC[0]}"
 for (( seed = 0; seed < SEEDS; seed++ )); do in_background "recurrent_s$seed"; done
 for name in "${STATIC[@]:1}"; do in_background "$name"; done
 finish

@@ -181,7 +181,7 @@ def plot_vs_flops(summary: dict[str, Any], path: Path) -> None:
     rec = summary["arms"].get("recurrent")
     if rec:
         colors = plt.get_cmap("viridis")([i / max(len(rs) - 1, 1) for i in range(len(rs))])
-        for color, r in zip(colors, rs):
+        for color, r in zip(colors, rs, strict=True):
             ax.plot([p["flops"]["paper"] for p in rec["points"]],
                     [p["results"][str(r)]["long"]["mean"] for p in rec["points"]], marker="o", color=color,
                     label=f"recurrent r={r}")
