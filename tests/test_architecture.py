@@ -18,7 +18,7 @@ LAYER = {
     "surgery": 4, "parallelize": 4,
     "metrics": 5, "eval": 5,
     "validation": 6, "hf": 6, "analysis": 6, "preflight": 6, "generate": 6, "compare": 6,
-    "train": 7,
+    "train": 7, "cli": 7,
 }
 
 

@@ -24,12 +24,12 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = {
     "titan-recur-train": "titan_recur.train:main",
     "titan-recur-eval": "titan_recur.eval.__main__:main",
-    "titan-recur-convert": "titan_recur.tools.convert_hf:main",
-    "titan-recur-export": "titan_recur.tools.export_hf:main",
-    "titan-recur-flops": "titan_recur.tools.flops:main",
-    "titan-recur-prepare-data": "titan_recur.tools.prepare_data:main",
-    "titan-recur-analyze-layers": "titan_recur.tools.analyze_layers:main",
-    "titan-recur-compare": "titan_recur.tools.compare:main",
+    "titan-recur-convert": "titan_recur.cli.convert:main",
+    "titan-recur-export": "titan_recur.cli.export:main",
+    "titan-recur-flops": "titan_recur.cli.flops:main",
+    "titan-recur-prepare-data": "titan_recur.cli.prepare_data:main",
+    "titan-recur-analyze-layers": "titan_recur.cli.analyze_layers:main",
+    "titan-recur-compare": "titan_recur.cli.compare:main",
 }
 
 
@@ -53,15 +53,15 @@ def installed(wheel, tmp_path_factory) -> Path:
     return target
 
 
-def test_wheel_ships_the_package_configs_tasks_tools_and_license(wheel):
+def test_wheel_ships_the_package_configs_tasks_and_license(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {str(p.relative_to(REPO)) for p in (REPO / "titan_recur").rglob("*.py")}
-    for folder, pattern in (("train_configs", "**/*.toml"), ("tasks", "*.yaml"), ("tools", "*.py")):
+    for folder, pattern in (("train_configs", "**/*.toml"), ("tasks", "*.yaml")):
         expected |= {f"titan_recur/{p.relative_to(REPO)}" for p in (REPO / folder).glob(pattern)}
     assert expected <= names, sorted(expected - names)
     assert "titan_recur/train_configs/base/paper.toml" in names and "titan_recur/tasks/gsm8k_cot_recur.yaml" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
-    assert not any(n.startswith(("tests/", "assets/")) for n in names)
+    assert not any(n.startswith(("tests/", "assets/", "tools/", "titan_recur/tools/")) for n in names)
 
 
 def test_wheel_metadata_and_version(wheel):
@@ -80,12 +80,36 @@ def test_wheel_metadata_and_version(wheel):
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_every_console_script_has_its_main(script):
-    """Each entry point names a main() of the file it maps to (tools/ in the checkout)."""
+    """Each entry point names a main() of a package module."""
     module, func = SCRIPTS[script].split(":")
-    parts = module.split(".")[1:]
-    path = REPO.joinpath("tools", *parts[1:]) if parts[0] == "tools" else REPO.joinpath("titan_recur", *parts)
+    path = REPO.joinpath(*module.split("."))
     tree = ast.parse(path.with_suffix(".py").read_text())
     assert func in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+def help_text(command: list[str], env: dict[str, str], cwd: Path) -> str:
+    """The --help text, its program name and line wrapping left out (a script's name is argparse's default)."""
+    done = subprocess.run([*command, "--help"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("usage:"), (command, done.stderr[-2000:])
+    return " ".join(done.stdout.split()[2:])
+
+
+# The checkout's tool shims, the console script each runs.
+SHIMS = {"convert_hf": "titan-recur-convert", "export_hf": "titan-recur-export", "flops": "titan-recur-flops",
+         "prepare_data": "titan-recur-prepare-data", "analyze_layers": "titan-recur-analyze-layers",
+         "compare": "titan-recur-compare"}
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_console_scripts_run_in_the_editable_install_the_wheel_and_the_checkout(script, installed, tmp_path):
+    """--help of each command: the test environment's (editable) script, the wheel's script with only the wheel
+    on the path, and in the checkout `python tools/<name>.py` for the tools' shims (the same text)."""
+    editable = help_text([str(Path(sys.executable).parent / script)], dict(os.environ), tmp_path)
+    wheel_env = {**os.environ, "PYTHONPATH": str(installed)}
+    assert help_text([sys.executable, str(installed / "bin" / script)], wheel_env, tmp_path) == editable
+    shim = next((name for name, s in SHIMS.items() if s == script), None)
+    if shim is not None:
+        assert help_text([sys.executable, f"tools/{shim}.py"], dict(os.environ), REPO) == editable
 
 
 def test_the_install_finds_its_configs_and_tasks(installed, tmp_path):

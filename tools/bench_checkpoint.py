@@ -25,8 +25,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from titan_recur.checkpoint import CheckpointManager, ModelState
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -46,13 +46,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from titan_recur import ModelArgs, RecurrentLM  # noqa: E402
-from titan_recur.models.generate import GenerationOptions, generate  # noqa: E402
+from titan_recur import ModelArgs, RecurrentLM
+from titan_recur.models.generate import GenerationOptions, generate
 
 
 class ConcatKVCache:

@@ -26,11 +26,7 @@ leaves it; the inputs are random token ids.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODES = ("fp32", "fsdp", "autocast")
 

@@ -1,74 +1,9 @@
-"""Export a titan_recur checkpoint as a Hugging Face model folder.
+"""`python tools/export_hf.py ...`: the command `titan-recur-export` (titan_recur/cli/export.py), run from a checkout."""
 
-Examples:
-  python tools/export_hf.py outputs/debug/final_model out/debug_hf
-  python tools/export_hf.py outputs/run/checkpoints/step-50000 out/run_hf --model-config out/tinyllama_4_8_4
-  python tools/export_hf.py out/tinyllama_static out/tinyllama_static_hf      # static: a plain LlamaForCausalLM
-
-A recurrent model loads with
-  model = AutoModelForCausalLM.from_pretrained(OUTPUT, trust_remote_code=True)
-  model(ids, num_steps=32); model.generate(ids, num_steps=32)
-and works with `lm_eval --model hf --model_args pretrained=OUTPUT,trust_remote_code=True`. The folder
-ships its own modeling code (titan_recur's, inlined): titan_recur need not be installed to use it.
-A static baseline (no recurrent core) is exported as the source family's plain HF model.
-Errors are one line, exit code 2, and nothing is written.
-"""
-
-from __future__ import annotations
-
-import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's titan_recur, as the other tools
-
-from titan_recur.checkpoint import CheckpointError
-from titan_recur.eval.loading import DTYPES, default_tokenizer_folder, load_checkpoint
-from titan_recur.hf.export import export_hf
-from titan_recur.models.args import STATE_INITS
-from titan_recur.tokenizer import check_vocab, load_tokenizer
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="export_hf.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("checkpoint",
-                        help="titan_recur model folder (config.json + model.safetensors) or DCP step folder")
-    parser.add_argument("output", type=Path, help="output folder (must not exist or be empty, unless --force)")
-    parser.add_argument("--model-config", help="model folder giving the architecture of a DCP step folder")
-    parser.add_argument("--tokenizer", help="folder with the tokenizer files (default: the model folder)")
-    parser.add_argument("--mean-recurrence", type=int,
-                        help="default iterations of the export when no num_steps is given (default: the model's)")
-    parser.add_argument("--state-init", choices=STATE_INITS,
-                        help="default initial state of the export "
-                        "(default: deterministic, zero; 'embed' models keep embed)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights dtype (default float32)")
-    parser.add_argument("--force", action="store_true", help="overwrite a previous export in OUTPUT")
-    return parser
-
-
-def run(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    tokenizer_folder = args.tokenizer or default_tokenizer_folder(args.checkpoint, args.model_config)
-    model = load_checkpoint(args.checkpoint, args.model_config)
-    check_vocab(load_tokenizer(tokenizer_folder), model.args.vocab_size)
-    export_hf(
-        model, args.output, tokenizer_folder=tokenizer_folder, mean_recurrence=args.mean_recurrence,
-        state_init=args.state_init, dtype=args.dtype, force=args.force,
-    )
-    kind = "recurrent (trust_remote_code)" if model.args.is_recurrent else "static"
-    print(f"wrote {kind} HF model to {args.output}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        run(argv)
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
-        print(f"export_hf.py: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
+from titan_recur.cli.export import *  # noqa: F403  (its functions, for scripts that import this file)
+from titan_recur.cli.export import main
 
 if __name__ == "__main__":
     sys.exit(main())

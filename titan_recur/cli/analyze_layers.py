@@ -1,0 +1,166 @@
+"""Which layers of an HF Llama / OLMo-2 model to drop and which to loop: measured before any training.
+
+Examples:
+  python tools/analyze_layers.py assets/tiny_llama --data assets/corpus/general.jsonl --seq-len 128 --tokens 8192 \\
+      --recommend 1,2,1
+  python tools/analyze_layers.py assets/tiny_olmo2 --config train_configs/debug_model.toml --tokens 8192 --budget 4
+  python tools/analyze_layers.py TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T --data held_out.jsonl \\
+      --tokens 65536 --recommend 4,8,4 --device cuda
+  python tools/analyze_layers.py hf/Llama-3.2-1B --data held_out.jsonl --budget 14 --device cuda
+
+Per source layer it reports the block influence 1 - cos(h_in, h_out), the angular distance between
+layer l's input and layer l+n's for every span n (Gromov et al. 2024: a small distance means layers
+l .. l+n-1 are redundant), the loss when the layer alone is dropped and the hidden-state norms.
+
+Candidate surgeries (pick one way):
+  --recommend P,R,C   prelude = first P layers, coda = last C, core = any R consecutive layers between
+                      them; the rest is dropped.
+  --budget K          every P,R,C >= 1 with P + R + C = K, each with every core placement.
+Candidates are ranked by the summed angular distance of their dropped spans; the --measure most
+redundant ones are converted in memory (as tools/convert_hf.py does) and their held-out loss measured:
+identity adapter at r = 1 (the healing start, the same at every r) and random adapter at r = 1, 2, 4.
+The top ones are printed with the tools/convert_hf.py command that makes each.
+
+Calibration: --tokens N tokens (rounded up to whole rows of --seq-len tokens) from --data or a train
+config's validation split, packed as `python -m titan_recur.eval loss` packs them; the losses equal
+that command's on the same rows. Output: tables on stdout, OUT/layer_analysis.json,
+OUT/influence.png, OUT/angular_distance.png. Errors are one line, exit code 2, before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from titan_recur.analysis import (
+    JSON_NAME,
+    RANDOM_RECURRENCES,
+    analyze,
+    candidate_plans,
+    format_report,
+    plot_report,
+    require_matplotlib,
+    shapes_for_budget,
+)
+from titan_recur.eval.loss import check_recurrences
+from titan_recur.surgery import ConversionError, parse_shape, read_source, resolve_source
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# torchdata's StatefulDataLoader calls a deprecated torch API on construction; it would precede every line we print.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+
+def parse_ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="analyze_layers.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("source", help="local HF folder (config.json + safetensors) or a hub id (owner/name)")
+    parser.add_argument("--revision", help="hub revision (branch, tag or commit) when SOURCE is a hub id")
+    data = parser.add_argument_group("calibration data").add_mutually_exclusive_group(required=True)
+    data.add_argument("--data", help="held-out file or glob: .jsonl/.json, .parquet, else plain text")
+    data.add_argument("--config", help="train config TOML: use its validation split (data.validation_fraction > 0)")
+    parser.add_argument("--text-field", default="text", help="jsonl/parquet field holding the text (default: text)")
+    parser.add_argument("--format", dest="data_format", choices=["text", "prompt_completion"], default="text",
+                        help="--data records: 'text' (loss on every token) or 'prompt_completion' (the loss on the "
+                        "completions only, e.g. a task's answers) (default text)")
+    parser.add_argument("--tokens", type=int, default=65536, help="calibration tokens (default 65536)")
+    parser.add_argument("--seq-len", type=int,
+                        help="tokens per row (default: the config's training.seq_len, else 1024)")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per forward (default 8)")
+    surgery = parser.add_argument_group("candidate surgeries").add_mutually_exclusive_group()
+    surgery.add_argument("--recommend", metavar="P,R,C", help="rank every core placement of this shape")
+    surgery.add_argument("--budget", type=int, metavar="K", help="rank every P,R,C >= 1 with P + R + C = K")
+    parser.add_argument("--measure", type=int, default=32,
+                        help="convert and measure the loss of this many candidates, those with the smallest "
+                        "angular score (default 32)")
+    parser.add_argument("--recurrences", type=parse_ints, default=list(RANDOM_RECURRENCES),
+                        help="test recurrences of the random-adapter losses (default 1,2,4)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random adapter, as convert_hf.py --seed")
+    parser.add_argument("--top", type=int, default=5, help="candidates printed (default 5)")
+    parser.add_argument("--out", type=Path, help="output folder (default outputs/layer_analysis/<source name>)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="model dtype (default float32)")
+    return parser
+
+
+def check_counts(args: argparse.Namespace) -> None:
+    for name in ("tokens", "batch_size", "top"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ValueError(f"--seq-len must be >= 1, got {args.seq_len}")
+    if args.measure < 0:
+        raise ValueError(f"--measure must be >= 0, got {args.measure}")
+    check_recurrences(args.recurrences)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"{args.out} exists and is not a folder")
+
+
+def run(argv: list[str] | None = None) -> None:
+    from titan_recur.config import load_config
+    from titan_recur.eval.loading import resolve_device
+    from titan_recur.eval.sweep import heldout_batches
+    from titan_recur.tokenizer import check_vocab, load_tokenizer
+
+    args = build_parser().parse_args(argv)
+    shape = None if args.recommend is None else parse_shape(args.recommend)
+    check_counts(args)
+    require_matplotlib()
+    device = resolve_device(args.device)
+    folder = resolve_source(args.source, args.revision)
+    source = read_source(folder)
+    if args.budget is not None:
+        shapes = shapes_for_budget(source.n_layers, args.budget)
+    else:
+        shapes = [] if shape is None else [shape]
+    plans = candidate_plans(source.n_layers, shapes)
+    tokenizer = load_tokenizer(folder)
+    check_vocab(tokenizer, int(source.config["vocab_size"]))
+    seq_len = args.seq_len or (load_config(args.config).training.seq_len if args.config else 1024)
+    rows = math.ceil(args.tokens / seq_len)
+    batch_size = min(args.batch_size, rows)
+    num_batches = math.ceil(rows / batch_size)
+    batches = list(heldout_batches(tokenizer, seq_len=seq_len, batch_size=batch_size, num_batches=num_batches,
+                                   data=args.data, text_field=args.text_field, config=args.config,
+                                   data_format=args.data_format))
+    data = args.data or f"{args.config} (validation split)"
+    out = args.out or Path("outputs") / "layer_analysis" / Path(args.source).name
+    out.mkdir(parents=True, exist_ok=True)  # before the work: an unwritable folder fails now
+    print(f"{args.source}: {source.architecture}, {source.n_layers} layers; calibration {data}: "
+          f"{num_batches} batches x {batch_size} rows x {seq_len} tokens "
+          f"(the rows of python -m titan_recur.eval loss --batches {num_batches} --batch-size {batch_size} "
+          f"--seq-len {seq_len})")
+    report = analyze(source, args.source, batches, device=device, dtype=DTYPES[args.dtype], plans=plans,
+                     measure=args.measure, recurrences=args.recurrences, seed=args.seed,
+                     progress=sys.stderr.isatty())
+    report.update(data=data, seq_len=seq_len, batch_size=batch_size, batches=num_batches, dtype=args.dtype)
+    (out / JSON_NAME).write_text(json.dumps(report, indent=2) + "\n")
+    plots = plot_report(report, out)
+    print(format_report(report, args.top))
+    print(f"wrote {out / JSON_NAME}, {plots[0]} and {plots[1]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        run(argv)
+    except (ConversionError, ValueError, OSError, ImportError) as e:  # OSError: missing files, unwritable --out
+        print(f"analyze_layers.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Compare training runs (recurrent and static) at equal training compute: the paper's Fig 5-7 layout.
+
+For each RUN_DIR (a trainer dump folder: config.json, metrics.jsonl, checkpoints/, final_model/) it
+counts the training FLOPs from the run's config and progress (paper and full convention, as
+tools/flops.py does), evaluates the final model (and with --checkpoints every checkpoint) at each
+test recurrence r (held-out loss on --data, task scores through lm-eval-harness for --task), and
+writes compare.json, compare.md and per quantity two PNGs: <name>_vs_r.png (score vs test r per
+run, static runs as horizontal lines) and <name>_vs_flops.png (score vs training FLOPs, static runs
+as crosses). A static run (no recurrent core) is evaluated once: r changes nothing for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from titan_recur.checkpoint import CheckpointError
+from titan_recur.config import ConfigError
+
+EPILOG = """\
+examples:
+  # a retrofitted run and its compute-matched static baseline, exact match on a task + held-out loss
+  python tools/compare.py outputs/recurrent outputs/static --task gsm8k_cot_recur --data held_out.jsonl \\
+      --recurrences 1,2,4,8,16,32 --out outputs/compare
+
+  # every checkpoint too (accuracy along training), a local task file, 200 examples per task
+  python tools/compare.py outputs/rec outputs/static --task outputs/task/perm_12.yaml --checkpoints \\
+      --limit 200 --max-gen-toks 8 --out outputs/compare
+
+Errors are one line on stderr, exit code 2, before any model is loaded.
+"""
+
+
+class Parser(argparse.ArgumentParser):
+    """Errors as one line on stderr, exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="compare.py", description=__doc__, epilog=EPILOG, allow_abbrev=False,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="trainer dump folders (recurrent or static)")
+    p.add_argument("--labels", help="comma-separated run names for tables and plots (default: folder names)")
+    p.add_argument("--out", type=Path, default=Path("outputs/compare"), help="output folder (default outputs/compare)")
+    p.add_argument("--recurrences", type=parse_ints, default=parse_ints("1,2,4,8,16,32"),
+                   help="test recurrences (default 1,2,4,8,16,32)")
+    p.add_argument("--checkpoints", action="store_true", help="also evaluate every complete checkpoint")
+    p.add_argument("--world-size", type=int, help="data-parallel ranks of the runs (default: read from their "
+                   "checkpoints, else 1); sets the micro-steps per step of the full FLOP convention")
+    what = p.add_argument_group("what to measure (at least one)")
+    what.add_argument("--task", help="comma-separated lm-eval task names, globs or YAML files")
+    what.add_argument("--data", help="held-out file for the loss: .jsonl/.json, .parquet, else plain text")
+    harness = p.add_argument_group("harness")
+    harness.add_argument("--metric", help="headline metric of the tasks, e.g. exact_match,flexible-extract "
+                         "(default: exact_match,flexible-extract, else acc,none, else the first)")
+    harness.add_argument("--limit", type=float, help="examples per task (a fraction if < 1)")
+    harness.add_argument("--num-fewshot", type=int, help="override the tasks' number of few-shot examples")
+    harness.add_argument("--batch-size", type=int, default=16, help="harness batch size (default 16)")
+    harness.add_argument("--max-gen-toks", type=int, default=256, help="generation budget (default 256)")
+    harness.add_argument("--include-path", action="append", default=[], help="extra task folder (repeatable)")
+    loss = p.add_argument_group("loss")
+    loss.add_argument("--text-field", default="text", help="jsonl/parquet field holding the text (default text)")
+    loss.add_argument("--format", dest="data_format", choices=["text", "prompt_completion"], default="text",
+                      help="--data records: 'text' (loss on every token) or 'prompt_completion' (fields prompt and "
+                      "completion: the loss on the completions only, e.g. a task's answers) (default text)")
+    loss.add_argument("--loss-batches", type=int, default=8, help="held-out batches (default 8)")
+    loss.add_argument("--loss-batch-size", type=int, default=8, help="rows per batch (default 8)")
+    loss.add_argument("--seq-len", type=int, help="tokens per row (default: each run's training.seq_len)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, ...")
+    return p
+
+
+def progress_bar(total: int):
+    """A tqdm bar over models x r on a terminal; silent otherwise."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="models x r", unit="eval", disable=not sys.stderr.isatty())
+    return lambda: bar.update()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    from titan_recur.compare import EvalSettings, compare, read_run, task_manager, write_report
+
+    labels = ns.labels.split(",") if ns.labels else [None] * len(ns.runs)
+    try:
+        if len(labels) != len(ns.runs):
+            raise ValueError(f"--labels names {len(labels)} runs, {len(ns.runs)} given")
+        if ns.data and not Path(ns.data).is_file():
+            raise ValueError(f"--data {ns.data}: no such file")
+        if min(ns.batch_size, ns.max_gen_toks, ns.loss_batches, ns.loss_batch_size, ns.seq_len or 1) < 1:
+            raise ValueError("--batch-size, --max-gen-toks, --loss-batches, --loss-batch-size, --seq-len must be >= 1")
+        if ns.world_size is not None and ns.world_size < 1:
+            raise ValueError(f"--world-size must be >= 1, got {ns.world_size}")
+        runs = [read_run(folder, world_size=ns.world_size, label=label, checkpoints=ns.checkpoints)
+                for folder, label in zip(ns.runs, labels)]
+        settings = EvalSettings(
+            recurrences=ns.recurrences, tasks=[t for t in (ns.task or "").split(",") if t], data=ns.data,
+            text_field=ns.text_field, data_format=ns.data_format, loss_batches=ns.loss_batches, loss_batch_size=ns.loss_batch_size,
+            seq_len=ns.seq_len, batch_size=ns.batch_size, max_gen_toks=ns.max_gen_toks, limit=ns.limit,
+            num_fewshot=ns.num_fewshot, include_path=ns.include_path, device=ns.device,
+        )
+        if not settings.tasks and settings.data is None:
+            raise ValueError("nothing to measure: give --task and/or --data")
+        missing = [t for t in settings.tasks if t.endswith((".yaml", ".yml")) and not Path(t).is_file()]
+        if missing:
+            raise ValueError(f"--task {','.join(missing)}: no such task file")
+        tasks_index = None
+        if settings.tasks:
+            from titan_recur.eval.harness import check_tasks
+
+            tasks_index = task_manager(settings)
+            check_tasks(settings.tasks, tasks_index)
+        report = compare(runs, settings, progress=progress_bar, tasks_index=tasks_index)
+        written = write_report(report, ns.out, ns.metric)
+    except (ValueError, FileNotFoundError, ImportError, CheckpointError, ConfigError) as err:
+        parser.error(str(err))
+    print((ns.out / "compare.md").read_text(), end="")
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
