@@ -281,6 +281,7 @@ def inject_incomplete_folders(folder: Path) -> list[Path]:
     return [never_renamed, no_metadata]
 
 
+@pytest.mark.slow
 def test_kill9_at_random_steps_resumes_bit_identically(reference, tmp_path):
     """SIGKILL of the torchrun process group at 3 random steps, then the same command again each time."""
     config, ref_dump = reference
@@ -318,6 +319,7 @@ def test_kill9_at_random_steps_resumes_bit_identically(reference, tmp_path):
     assert found.complete == [9, 12] and found.partial == [], "keep_latest_k=2 and leftovers purged after a save"
 
 
+@pytest.mark.slow
 def test_sigterm_and_sigusr1_checkpoint_exit_42_and_resume_exactly(reference, tmp_path):
     """Ranks launched like srun (no torchrun), async saves; rank 0 gets SIGTERM, rank 1 SIGUSR1."""
     config, ref_dump = reference
@@ -365,6 +367,7 @@ def write_tokenized_rows(path: Path, rows: int, seq_len: int, vocab: int) -> Pat
     return path
 
 
+@pytest.mark.slow
 def test_resharding_2_to_1_and_1_to_2_continues_with_the_same_losses(tmp_path):
     """Model + optimizer reshard through DCP; the data position cannot, so data.reshard = 'restart' is needed.
 

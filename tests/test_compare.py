@@ -21,6 +21,8 @@ from titan_recur.models.generate import greedy_generate
 from titan_recur.models.io import load_model
 from titan_recur.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.slow  # every test shares the quick miniature run (~2 min)
+
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "assets" / "perm_llama"
 QUICK_RECURRENCES = ["1", "4"]  # tools/reproduce_mini.sh --quick

@@ -403,6 +403,7 @@ def test_bad_prompts_are_one_line_errors(model: RecurrentLM) -> None:
               state_init="previous"), {2, 1}),
     ],
 )
+@pytest.mark.slow
 def test_compiled_decode_runs_several_iterations_per_call(model, monkeypatch, knobs, lengths) -> None:
     """iterations_per_call unrolls up to that many iterations into one compiled call (fewer calls'
     fixed cost per token): one graph per call length for every token and iteration (symbolic key

@@ -125,6 +125,7 @@ json.dump(results, open(out + "/result.json", "w"))
 """
 
 
+@pytest.mark.slow
 def test_trainer_trains_every_part_in_a_fresh_process(exported: Path, tmp_path: Path) -> None:
     """transformers.Trainer, 3 steps, with and without gradient checkpointing, in a process that cannot
     import titan_recur: every parameter tensor changes."""

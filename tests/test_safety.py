@@ -210,6 +210,7 @@ def manifest(folder: Path) -> dict:
 # ------------------------------------------------------------------------------------------ lineage
 
 
+@pytest.mark.slow
 def test_rewind_keeps_both_branches_and_resumes_the_new_one(runs):
     """Steps 2-8 on disk, rewind to 2 with keep_latest_k 1, stopped at step 5, then the same command."""
     r, d = runs["results"], runs["dirs"]
@@ -508,6 +509,7 @@ def forked(model, tmp_path_factory) -> dict:
     return {"spec": spec, **json.loads((root / "result.json").read_text())}
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_ends_the_run_within_the_step_timeout(forked):
     run = forked["stalls"]["watchdog"]
     log = run["log"]

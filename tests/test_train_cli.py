@@ -22,6 +22,7 @@ def read_metrics(dump: Path) -> list[dict]:
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_debug_run_on_two_ranks_logs_and_heals(tmp_path):
     dump = tmp_path / "debug"
     proc = run_torchrun(

@@ -87,6 +87,7 @@ def assert_runs_agree(single: dict, multi: dict, optimizer: str) -> None:
 
 # Each optimizer and each AC mode once on 2 ranks; the HSDP test below adds (muon, per_iteration) on 4,
 # and the checkpoint tests train with the debug config's (muon, per_iteration) on 2 ranks.
+@pytest.mark.slow
 @pytest.mark.parametrize(("optimizer", "ac"), [("adamw", "per_iteration"), ("muon", "none")])
 def test_fsdp_two_ranks_match_single_process(model_dir, tmp_path, optimizer, ac):
     extra = ("--optimizer", optimizer, "--ac", ac, "--steps", str(STEPS), "--accum", "2")
@@ -97,6 +98,7 @@ def test_fsdp_two_ranks_match_single_process(model_dir, tmp_path, optimizer, ac)
     assert_runs_agree(torch.load(single_out), torch.load(multi_out), optimizer)
 
 
+@pytest.mark.slow
 def test_hsdp_two_by_two_matches_single_process(model_dir, tmp_path):
     extra = ("--optimizer", "muon", "--ac", "per_iteration", "--steps", str(STEPS))
     single_args, single_out = worker_args(model_dir, tmp_path, "single", *extra)
@@ -132,6 +134,7 @@ def assert_no_recompile_after_warmup(compiled: dict) -> None:
     assert counts[-1] == counts[warm], f"recompiles after warm-up step {warm + 1}: {counts}"
 
 
+@pytest.mark.slow
 def test_compiled_blocks_under_fsdp_match_eager(model_dir, tmp_path):
     """The production path (blocks and whole core iterations compiled inside FSDP2 units, 2 ranks, AC per
     iteration) over 30 steps of sampled (n, k): no recompile after warm-up, losses equal eager's."""

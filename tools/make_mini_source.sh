@@ -169,7 +169,7 @@ TOML
 "$PY" -m titan_recur.train --config "$OUT/configs/marginals.toml"
 "$PY" tools/export_hf.py "$OUT/marginals/final_model" "$OUT/hf"
 
-TASKS=$(ls "$OUT"/task_1-6/perm_*.yaml | sort -t_ -k3 -n | paste -sd, -)
+TASKS=$(ls "$OUT"/task_1-6/perm_*.yaml | awk -F'perm_' '{print $NF "\t" $0}' | sort -n | cut -f2 | paste -sd, -)  # by length
 "$PY" -m titan_recur.eval harness --model-args "pretrained=$OUT/marginals/final_model,batch_size=100,max_gen_toks=2" \
   --tasks "$TASKS" --recurrences 1 --out "$OUT/gate"
 "$PY" - "$OUT/gate/table.json" <<'PY'

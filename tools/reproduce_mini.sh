@@ -219,7 +219,7 @@ for (( seed = 0; seed < SEEDS; seed++ )); do in_background "recurrent_s$seed"; d
 for name in "${STATIC[@]:1}"; do in_background "$name"; done
 finish
 
-TASKS=$(ls "$OUT"/task/perm_*.yaml | sort -t_ -k2 -n | paste -sd, -)
+TASKS=$(ls "$OUT"/task/perm_*.yaml | awk -F'perm_' '{print $NF "\t" $0}' | sort -n | cut -f2 | paste -sd, -)  # by length
 stage compare "$PY" tools/compare.py "${RUNS[@]}" --task "$TASKS" --data "$OUT/task/validation.jsonl" \
   --format prompt_completion --loss-batches "$LOSS_BATCHES" --recurrences "$RECURRENCES" --checkpoints \
   --batch-size 100 --max-gen-toks 2 --out "$OUT/compare"

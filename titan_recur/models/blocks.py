@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,9 @@ from torch import nn
 
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.rope import apply_rope
+
+if TYPE_CHECKING:  # the cache module builds on this one: a typing-only import, no cycle at run time
+    from titan_recur.models.cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -51,8 +55,7 @@ class AttentionContext:
     sin: torch.Tensor
     # Boolean (B, 1, T, S) mask, True = attend; None means plain causal attention without a cache.
     mask: torch.Tensor | None = None
-    # titan_recur.models.cache.KVCache (named as a string: the cache module builds on this one).
-    cache: "KVCache | None" = None
+    cache: KVCache | None = None
     iteration: int = 0
 
     def at_iteration(self, iteration: int) -> "AttentionContext":
