@@ -165,13 +165,7 @@ def plot_vs_r(summary: dict[str, Any], path: Path) -> None:
     ax.axhline(1 / 8, color="grey", linewidth=0.8, label="chance")
     ax.set_xscale("log", base=2)
     ax.set_xticks(rs, [str(r) for r in rs])
-    ax.set_xlabel("test recurrence r")
-    ax.set_ylabel(f"exact match, chains of {long[0]}-{long[1]}")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, path)
+    save_accuracy_figure(fig, ax, "test recurrence r", long, path)
 
 
 def plot_vs_flops(summary: dict[str, Any], path: Path) -> None:
@@ -190,7 +184,12 @@ def plot_vs_flops(summary: dict[str, Any], path: Path) -> None:
                 [p["results"][str(rs[0])]["long"]["mean"] for p in arm["points"]], marker="x", markersize=9,
                 color="black", linestyle="--", label=f"static: {name}")
     ax.set_xscale("log")
-    ax.set_xlabel("training FLOPs (paper convention)")
+    save_accuracy_figure(fig, ax, "training FLOPs (paper convention)", long, path)
+
+
+def save_accuracy_figure(fig: Any, ax: Any, xlabel: str, long: list[int], path: Path) -> None:
+    """The two headline plots' shared axes: long-chain exact match in [0, 1]."""
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(f"exact match, chains of {long[0]}-{long[1]}")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
