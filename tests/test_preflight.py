@@ -190,12 +190,14 @@ def test_block_saved_bytes_match_saved_tensor_hooks(block_type, kv_heads, dtype)
 
 @pytest.fixture(scope="module")
 def bench():
+    sys.path.insert(0, str(REPO / "tools"))  # as for the script itself: its sibling process_memory
     spec = importlib.util.spec_from_file_location("bench_memory", REPO / "tools" / "bench_memory.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     yield module
     del sys.modules[spec.name]
+    sys.path.remove(str(REPO / "tools"))
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.process_memory import current_bytes, peak_bytes, run_child  # noqa: E402
+from process_memory import current_bytes, peak_bytes, run_child  # a sibling: tools/ is sys.path[0] for a script
 
 GiB, MiB = 2**30, 2**20
 
