@@ -307,7 +307,10 @@ class _SourceStream:
         self.docs: list = []
         self.pos = 0
         self.buffer: list[int] = []
-        self.labels: list[int] = []  # one label per buffered token (IGNORE_INDEX: no loss)
+        # Only a source that can mask keeps a label per buffered token (IGNORE_INDEX: no loss); for the others
+        # a row's labels are its tokens, and packing costs what it did before labels existed.
+        self.masked = source.format == "prompt_completion" or LABELS_COLUMN in self.fields
+        self.labels: list[int] = []
         self.offset = 0
         self.batches: Iterator[dict] | None = None
 
@@ -381,12 +384,15 @@ class _SourceStream:
             except SourceExhausted:
                 return self._last_row()
             ids, labels = self._tokens(doc)
-            self.buffer, self.labels = self.buffer[self.offset :] + ids, self.labels[self.offset :] + labels
+            self.buffer = self.buffer[self.offset :] + ids
+            if self.masked:
+                self.labels = self.labels[self.offset :] + labels
             self.offset = 0
         end = self.offset + self.row_len
-        row = self.buffer[self.offset : end], self.labels[self.offset : end]
+        row = self.buffer[self.offset : end]
+        labels = self.labels[self.offset : end] if self.masked else row
         self.offset = end
-        return row
+        return row, labels
 
     def _tokens(self, doc: Any) -> tuple[list[int], list[int]]:
         """(ids, labels) of a document: encoded text, or pre-tokenized ids with their labels column if any."""
@@ -399,11 +405,12 @@ class _SourceStream:
         check_token_ids(ids, self.tokenizer.vocab_size, where)
         if labels is not ids:
             check_token_ids(labels, self.tokenizer.vocab_size, f"{where} ({LABELS_COLUMN!r})", labels=True)
-        return list(ids), list(labels)
+        return ids, labels
 
     def _last_row(self) -> tuple[list[int], list[int]]:
         """A single-pass source's leftover tokens, padded with IGNORE_INDEX (no loss, no label)."""
-        rest, rest_labels = self.buffer[self.offset :], self.labels[self.offset :]
+        rest = self.buffer[self.offset :]
+        rest_labels = self.labels[self.offset :] if self.masked else rest
         self.buffer, self.labels, self.offset = [], [], 0
         if len(rest) < 2:  # nothing left that has a next token to predict
             raise SourceExhausted(self.name)
@@ -419,14 +426,14 @@ class _SourceStream:
             "pos": self.pos,
             "buffer": self.buffer[self.offset :],
             # Only where some label differs from its token (a mask): unmasked data keeps its checkpoints' size.
-            "labels": None if self.labels[self.offset :] == self.buffer[self.offset :] else self.labels[self.offset :],
+            "labels": self.labels[self.offset :] if self.masked else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.epoch_docs, self.batch_state = state["epoch"], state["epoch_docs"], state["batch_state"]
         self.buffer, self.offset = list(state["buffer"]), 0
         labels = state.get("labels")  # absent in checkpoints from before labels were kept: unmasked
-        self.labels = list(self.buffer if labels is None else labels)
+        self.labels = list(self.buffer if labels is None else labels) if self.masked else []
         self.batches, self.docs, self.pos = None, [], 0
         self.window = state.get("window", 0) - 1 if state["pos"] else state.get("window", -1)
         if state["pos"]:  # re-read the batch the saved position is in
@@ -562,7 +569,10 @@ class PackedDataset(IterableDataset):
                 exhausted.add(key)
                 continue
             self.rows += 1
-            yield torch.tensor(row, dtype=torch.long)  # (2, seq_len + 1): tokens, labels
+            ids, labels = row
+            tokens = torch.tensor(ids, dtype=torch.long)
+            # (2, seq_len + 1): tokens, labels
+            yield torch.stack((tokens, tokens if labels is ids else torch.tensor(labels, dtype=torch.long)))
 
     def state_dict(self) -> dict[str, Any]:
         if self._pending is not None:
