@@ -9,8 +9,8 @@ Each source packs its own documents: ``[BOS] doc EOS`` (BOS where the tokenizer 
 concatenated and cut into rows of ``seq_len + 1`` tokens; the tokens left over after a row start
 the source's next row, so nothing is dropped. Every token travels with its label: the token itself,
 or IGNORE_INDEX where it carries no loss (the prompt of a ``prompt_completion`` record, a
-pre-tokenized ``labels`` column's -100s), so packing and resume keep the loss mask. Row ``i`` of a rank belongs to optimizer step
-``i // rows_per_step``; the step picks the phase, and a generator seeded by (seed, rank, split, i)
+pre-tokenized ``labels`` column's -100s), so packing and resume keep the loss mask. Row ``i`` of
+a rank belongs to optimizer step ``i // rows_per_step``; the step picks the phase, and a generator seeded by (seed, rank, split, i)
 picks the source, so the mixture and the phase switches need no signal from the trainer and
 replay identically on resume. Documents whose content hash falls below
 ``data.validation_fraction`` are held out of training and form the validation split; or
@@ -425,7 +425,7 @@ class _SourceStream:
             "batch_state": self.batch_state,
             "pos": self.pos,
             "buffer": self.buffer[self.offset :],
-            # Only where some label differs from its token (a mask): unmasked data keeps its checkpoints' size.
+            # Only a source that can mask keeps labels: unmasked data keeps its checkpoints' size.
             "labels": self.labels[self.offset :] if self.masked else None,
         }
 
