@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from make_depth_task import parse_lengths  # a sibling: tools/ is sys.path[0] for a script
+
 from titan_recur.compare import PREFERRED_METRICS
 from titan_recur.plots import pyplot, save_figure
 
@@ -31,13 +33,6 @@ _LENGTH = re.compile(r"_(\d+)$")
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def parse_range(text: str) -> range:
-    low, _, high = text.partition("-")
-    if not (low.isdigit() and (high or low).isdigit()) or int(low) > int(high or low):
-        raise argparse.ArgumentTypeError(f"expected A-B, got {text!r}")
-    return range(int(low), int(high or low) + 1)
 
 
 def task_lengths(report: dict[str, Any]) -> dict[str, int]:
@@ -202,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="summarize_mini.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("report", type=Path, help="compare.json of tools/compare.py")
     p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--long", type=parse_range, default=parse_range("7-12"),
+    p.add_argument("--long", type=parse_lengths, default=parse_lengths("7-12"),
                    help="the long chain lengths, longer than the source's training (default 7-12)")
     ns = p.parse_args(argv)
     if not ns.report.is_file():

@@ -48,6 +48,7 @@ from titan_recur.analysis import (
     require_matplotlib,
     shapes_for_budget,
 )
+from titan_recur.config import DATA_FORMATS
 from titan_recur.eval.loss import check_recurrences
 from titan_recur.surgery import ConversionError, parse_shape, read_source, resolve_source
 
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--data", help="held-out file or glob: .jsonl/.json, .parquet, else plain text")
     data.add_argument("--config", help="train config TOML: use its validation split (data.validation_fraction > 0)")
     parser.add_argument("--text-field", default="text", help="jsonl/parquet field holding the text (default: text)")
-    parser.add_argument("--format", dest="data_format", choices=["text", "prompt_completion"], default="text",
+    parser.add_argument("--format", dest="data_format", choices=DATA_FORMATS, default="text",
                         help="--data records: 'text' (loss on every token) or 'prompt_completion' (the loss on the "
                         "completions only, e.g. a task's answers) (default text)")
     parser.add_argument("--tokens", type=int, default=65536, help="calibration tokens (default 65536)")

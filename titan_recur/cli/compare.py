@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from titan_recur.checkpoint import CheckpointError
-from titan_recur.config import ConfigError
+from titan_recur.config import DATA_FORMATS, ConfigError
 
 EPILOG = """\
 examples:
@@ -73,7 +73,7 @@ def build_parser() -> Parser:
     harness.add_argument("--include-path", action="append", default=[], help="extra task folder (repeatable)")
     loss = p.add_argument_group("loss")
     loss.add_argument("--text-field", default="text", help="jsonl/parquet field holding the text (default text)")
-    loss.add_argument("--format", dest="data_format", choices=["text", "prompt_completion"], default="text",
+    loss.add_argument("--format", dest="data_format", choices=DATA_FORMATS, default="text",
                       help="--data records: 'text' (loss on every token) or 'prompt_completion' (fields prompt and "
                       "completion: the loss on the completions only, e.g. a task's answers) (default text)")
     loss.add_argument("--loss-batches", type=int, default=8, help="held-out batches (default 8)")
