@@ -34,7 +34,7 @@
 #                     absent), SLURM_NNODES, SLURM_GPUS_ON_NODE; missing ones default to job
 #                     "dry-run" on the #SBATCH --nodes of the calling script, hosts node0, node1, ...
 #
-# Preemption and requeue (exit codes of titan_recur.train: 0 done, 42 preempted after writing a
+# Preemption and requeue (exit codes of titan_recur.training.trainer: 0 done, 42 preempted after writing a
 # checkpoint, 3 non-finite loss, 2 bad config/input):
 #   #SBATCH --signal=B:USR1@300 sends SIGUSR1 to this batch shell only, 300 s before the time limit.
 #   The trap below forwards it once to srun, which relays it to its tasks: the torchrun agents (and,

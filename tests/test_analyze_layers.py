@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from titan_recur.analysis import InMemoryWeights, build_model, candidate_plans, layer_statistics, static_plan
+from titan_recur.convert.layer_analysis import InMemoryWeights, build_model, candidate_plans, layer_statistics, static_plan
 from titan_recur.eval.__main__ import main as eval_main
-from titan_recur.surgery import read_source
+from titan_recur.convert.surgery import read_source
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets"
@@ -242,7 +242,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(olmo2_1_2, tmp_path, ca
 
 
 def test_progress_bars_count_layers(tiny_hf_checkpoint, capsys):
-    from titan_recur.analysis import drop_one_losses
+    from titan_recur.convert.layer_analysis import drop_one_losses
 
     source = read_source(tiny_hf_checkpoint("olmo2"))
     batches = [{"input_ids": torch.arange(3, 19)[None], "labels": torch.arange(4, 20)[None]}]

@@ -1,4 +1,7 @@
-"""The module layers of docs/architecture.md: every titan_recur import points down, tools never import train."""
+"""The layers of docs/architecture.md: each folder of titan_recur/ imports only folders of lower layers.
+
+Typing-only imports count too (a type annotation that names a higher layer is still a dependency).
+"""
 
 from __future__ import annotations
 
@@ -9,62 +12,67 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "titan_recur"
-# A module may import modules of a lower layer, or of its own package group (models.*, eval.*, hf.*).
+# Folder (or top-level module) -> layer. A module may import its own folder or any lower layer.
 LAYER = {
-    "models": 0, "resources": 0, "progress": 0,
-    "config": 1, "plots": 1,
-    "tokenizer": 2, "recurrence": 2, "checkpoint": 2, "fingerprint": 2, "watchdog": 2,
-    "data": 3, "flops": 3, "optim": 3,
-    "surgery": 4, "parallelize": 4,
-    "metrics": 5, "eval": 5,
-    "validation": 6, "hf": 6, "analysis": 6, "preflight": 6, "generate": 6, "compare": 6,
-    "train": 7, "cli": 7,
+    "models": 0, "utils": 0,
+    "config": 1,
+    "data": 2, "storage": 2, "inference": 2,
+    "training": 3,
+    "eval": 4,
+    "convert": 5,
+    "hf": 6,
+    "cli": 7,
+    "train": 8, "generate": 8,  # the `python -m titan_recur.train|generate` entry points
 }
+DATA_FOLDERS = {"train_configs", "tasks"}  # shipped files, no code
 
 
 def group(module: str) -> str:
-    """titan_recur.models.io -> models; titan_recur.train -> train."""
+    """titan_recur.storage.model_io -> storage; titan_recur.config -> config; titan_recur -> __init__."""
     return module.split(".")[1] if module.count(".") else "__init__"
 
 
 def titan_recur_imports(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every titan_recur import run at import or call time (not under TYPE_CHECKING)."""
-    tree = ast.parse(path.read_text())
-    typing_only = {
-        id(child) for node in ast.walk(tree)
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-        for child in ast.walk(node)
-    }
+    """(line, module) of every titan_recur import in the file: at import time, call time or for typing."""
     found = []
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("titan_recur"):
-            found.append((node.lineno, node.module))
+            names = [f"{node.module}.{a.name}" for a in node.names] if node.module == "titan_recur" else [node.module]
+            found += [(node.lineno, name) for name in names]
         elif isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names if a.name.startswith("titan_recur")]
     return found
 
 
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return "titan_recur." + ".".join(p for p in parts if p != "__init__") if parts != ("__init__",) else "titan_recur"
+
+
 def library_modules() -> list[Path]:
-    return sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__main__.py")
+    return sorted(PACKAGE.rglob("*.py"))
 
 
-def test_every_library_module_has_a_layer():
-    groups = {group("titan_recur." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts)) for p in library_modules()}
-    assert groups - {"__init__"} <= set(LAYER), groups - set(LAYER)
+def upward_imports(path: Path) -> list[str]:
+    me = group(module_name(path))
+    if me == "__init__":
+        return []  # the package's public re-exports
+    return [
+        f"{path.relative_to(REPO)}:{line} ({me}) imports {module} ({group(module)})"
+        for line, module in titan_recur_imports(path)
+        if group(module) not in (me, "__init__") and LAYER[group(module)] >= LAYER[me]
+    ]
+
+
+def test_every_folder_has_a_layer():
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"} - DATA_FOLDERS
+    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    assert folders | modules == set(LAYER), (folders | modules) ^ set(LAYER)
 
 
 @pytest.mark.parametrize("path", library_modules(), ids=lambda p: str(p.relative_to(REPO)))
 def test_imports_point_down(path: Path):
-    me = group("titan_recur." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts))
-    if me == "__init__":
-        return  # the package's public re-exports
-    bad = [
-        f"{path.relative_to(REPO)}:{line} imports {module}"
-        for line, module in titan_recur_imports(path)
-        if module != "titan_recur" and group(module) != me and LAYER[group(module)] >= LAYER[me]
-    ]
+    bad = upward_imports(path)
     assert not bad, bad
 
 
@@ -77,14 +85,22 @@ def test_tools_build_from_config_not_from_the_trainer():
         f"{path.relative_to(REPO)}:{line}"
         for path in sorted((REPO / "tools").glob("*.py")) if path.name not in RUNS_THE_TRAINER
         for line, module in titan_recur_imports(path)
-        if module == "titan_recur.train"
+        if module == "titan_recur.training.trainer"
     ]
     assert not bad, bad
 
 
-def test_the_check_sees_a_violation(tmp_path: Path):
-    """An upward import (the model importing the trainer) is reported."""
-    bad = tmp_path / "model.py"
-    bad.write_text("def f():\n    from titan_recur.train import Trainer\n")
-    assert titan_recur_imports(bad) == [(2, "titan_recur.train")]
-    assert LAYER[group("titan_recur.train")] >= LAYER["models"]
+@pytest.mark.parametrize("source", [
+    "def f():\n    from titan_recur.training.trainer import Trainer\n",
+    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from titan_recur.config import Model\n",
+    "import titan_recur.storage.model_io\n",
+    "from titan_recur import data\n",
+])
+def test_the_check_sees_a_planted_upward_import(source: str):
+    """An upward import planted in the model folder is reported, whether run at call time or for typing only."""
+    planted = PACKAGE / "models" / "_planted_upward_import.py"
+    planted.write_text(source)
+    try:
+        assert len(upward_imports(planted)) == 1
+    finally:
+        planted.unlink()

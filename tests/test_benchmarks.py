@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.torchrun_util import REPO_ROOT, run_torchrun
-from titan_recur import flops
-from titan_recur.models.io import read_model_args
+from titan_recur.training import cost_model
+from titan_recur.storage.model_io import read_model_args
 
 MODEL = REPO_ROOT / "assets" / "tiny_llama_recurrent"
 
@@ -23,7 +23,7 @@ def test_bench_step_runs_the_fsdp_trainer_step_and_reports_mfu(tmp_path: Path):
                   "--jsonl", str(out)], nproc=1)
     point = json.loads(out.read_text().splitlines()[-1])
     assert point["world_size"] == 1 and point["num_steps"] == [2, 1] and point["device"] == "cpu"
-    per_token = flops.training_flops_per_token(read_model_args(MODEL), (2, 1), 32, "per_iteration").total
+    per_token = cost_model.training_flops_per_token(read_model_args(MODEL), (2, 1), 32, "per_iteration").total
     assert point["model_flops_per_token"] == per_token
     # approx: the bench divides in another order, and the last bit depends on the measured (machine) speed
     assert point["mfu"] == pytest.approx(per_token * point["tokens_per_sec_per_device"] / 1e12, rel=1e-12)

@@ -31,10 +31,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.test_train_distributed import make_model_dir
 from tests.torchrun_util import REPO_ROOT, WORKERS_DIR, run_torchrun
-from titan_recur.checkpoint import ModelState, load_from, scan_checkpoints
-from titan_recur.models.io import WEIGHTS_NAME, read_model_args, write_model_args
+from titan_recur.storage.checkpoint import ModelState, load_from, scan_checkpoints
+from titan_recur.storage.model_io import WEIGHTS_NAME, read_model_args, write_model_args
 from titan_recur.models.model import RecurrentLM
-from titan_recur.train import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED
+from titan_recur.training.trainer import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP reads here, no process group
 TRAIN = ["-m", "titan_recur.train"]

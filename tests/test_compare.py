@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_recur.compare import EvalSettings, compare, read_run
-from titan_recur.models.generate import greedy_generate
-from titan_recur.models.io import load_model
-from titan_recur.tokenizer import load_tokenizer
+from titan_recur.eval.comparison import EvalSettings, compare, read_run
+from titan_recur.inference.engine import greedy_generate
+from titan_recur.storage.model_io import load_model
+from titan_recur.data.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow  # every test shares the quick miniature run (~2 min)
 

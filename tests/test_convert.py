@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from titan_recur.models.args import PRESETS
-from titan_recur.models.io import WEIGHTS_NAME, load_model, load_state_dict_into, read_model_args
+from titan_recur.storage.model_io import WEIGHTS_NAME, load_model, load_state_dict_into, read_model_args
 from titan_recur.models.model import RecurrentLM
-from titan_recur.surgery import (
+from titan_recur.convert.surgery import (
     ConversionError,
     ConvertOptions,
     SourceModel,

@@ -17,8 +17,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from titan_recur.config import Data, DataPhase, DataSource
-from titan_recur.data import build_dataloader, check_data_config
-from titan_recur.tokenizer import check_vocab, load_tokenizer
+from titan_recur.data.loader import build_dataloader, check_data_config
+from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 from torchrun_util import REPO_ROOT, WORKERS_DIR, run_torchrun
 
 SEQ_LEN = 8
@@ -314,7 +314,7 @@ def test_token_stream_of_another_tokenizer_is_one_line_at_start_up(tmp_path, tok
     config = tmp_path / "run.toml"  # the bundled model's tokenizer is not the one the stream was made with
     config.write_text(f'[model]\npath = "{REPO_ROOT / "assets" / "tiny_llama_recurrent"}"\n[training]\nsteps = 1\n'
                       f'[[data.sources]]\npath = "{out / "*.parquet"}"\nkind = "tokenized"\n')
-    from titan_recur.train import main
+    from titan_recur.training.trainer import main
 
     capsys.readouterr()
     assert main(["--config", str(config), "--job.dump_folder", str(tmp_path / "run")]) == 2

@@ -17,9 +17,9 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from titan_recur.config import ConfigError, Data, DataSource, load_config
-from titan_recur.data import DataError, build_dataloader, check_data_config
+from titan_recur.data.loader import DataError, build_dataloader, check_data_config
 from titan_recur.models.loss import IGNORE_INDEX
-from titan_recur.tokenizer import load_tokenizer
+from titan_recur.data.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "assets" / "tokenizer"
@@ -91,8 +91,8 @@ def tiny_config(tmp_path: Path, data_path: str, steps: int, **overrides: str) ->
 
 def test_masked_loss_equals_a_hand_computation(tmp_path):
     """The loss the trainer logs at step 1 (initial weights) is the mean CE over the completion tokens and EOS."""
-    from titan_recur.models.io import architecture_args
-    from titan_recur.train import initial_full_state, main
+    from titan_recur.storage.model_io import architecture_args
+    from titan_recur.training.trainer import initial_full_state, main
     from titan_recur.models.model import RecurrentLM
 
     path = write_records(tmp_path / "qa.jsonl", RECORDS, 6)
@@ -134,7 +134,7 @@ def test_trainer_resume_on_masked_data_is_bit_identical(tmp_path):
     the same weights."""
     from safetensors.torch import load_file
 
-    from titan_recur.train import main
+    from titan_recur.training.trainer import main
 
     path = write_records(tmp_path / "qa.jsonl", RECORDS, 6)
     weights = tmp_path / "run" / "final_model" / "model.safetensors"
@@ -174,7 +174,7 @@ def test_pretokenized_labels_outside_the_vocabulary_are_one_line(tmp_path):
 def test_records_without_their_fields_are_one_line(tmp_path, capsys):
     """A file without the field: one line before training (exit 2, nothing written); a record without it among
     complete ones: one line when it is read."""
-    from titan_recur.train import main
+    from titan_recur.training.trainer import main
 
     path = tmp_path / "qa.jsonl"
     path.write_text(json.dumps({"prompt": "3 a ="}) + "\n")

@@ -12,7 +12,7 @@ import torch
 from test_data import SEQ_LEN, full_rows, make_docs, resume_config, take, tok, tok_folder, write_jsonl  # noqa: F401
 
 from titan_recur.config import ConfigError, Data, DataSource, config_from_dict, validate
-from titan_recur.data import build_dataloader, open_source
+from titan_recur.data.loader import build_dataloader, open_source
 
 DOCS, WINDOW = 40, 8
 

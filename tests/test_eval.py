@@ -13,11 +13,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan_recur import load_model
-from titan_recur.checkpoint import ModelState
+from titan_recur.storage.checkpoint import ModelState
 from titan_recur.eval import mean_losses, validation_loss_sums
 from titan_recur.eval.__main__ import main as eval_main
 from titan_recur.models.loss import cross_entropy_loss
-from titan_recur.surgery import ConvertOptions, convert, plan_layers
+from titan_recur.convert.surgery import ConvertOptions, convert, plan_layers
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_MODEL = REPO / "assets" / "tiny_llama_recurrent"
@@ -195,7 +195,7 @@ def choice_accuracy(model_dir: Path, r: int, limit: int) -> float:
     As lm_eval scores it: context "Question: q\nAnswer:", continuation " choice" (the tokens the
     whole text adds after the context's own), context starting with BOS, argmax of summed log-probs.
     """
-    from titan_recur.tokenizer import load_tokenizer
+    from titan_recur.data.tokenizer import load_tokenizer
 
     model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
     docs = [json.loads(line) for line in (LM_EVAL_TASKS / "tiny.jsonl").read_text().splitlines()[:limit]]
@@ -319,8 +319,8 @@ def test_lm_eval_cli_with_registered_model(model_dir: Path, monkeypatch: pytest.
 
 
 def encoded_lengths(path: Path) -> list[int]:
-    from titan_recur.data import encode_document
-    from titan_recur.tokenizer import load_tokenizer
+    from titan_recur.data.loader import encode_document
+    from titan_recur.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(DEBUG_MODEL)
     return [len(encode_document(tokenizer, json.loads(line)["text"])) for line in path.read_text().splitlines()]
@@ -362,7 +362,7 @@ def test_loss_cli_warns_when_the_data_has_fewer_batches(tmp_path: Path, capsys) 
 def test_single_pass_over_a_mixture_reads_every_document_once(tmp_path: Path) -> None:
     """Two sources: the batches end when both are exhausted; every token is labelled except row starts."""
     from titan_recur.eval.sweep import heldout_batches
-    from titan_recur.tokenizer import load_tokenizer
+    from titan_recur.data.tokenizer import load_tokenizer
 
     lines = (REPO / "assets" / "corpus" / "math.jsonl").read_text().splitlines()
     paths = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
@@ -382,7 +382,7 @@ def test_single_pass_over_a_mixture_reads_every_document_once(tmp_path: Path) ->
 
 def test_heldout_command_writes_the_validation_split(tmp_path: Path, capsys) -> None:
     """The held-out documents of a config (by content hash), then eval loss --data on them."""
-    from titan_recur.data import _held_out
+    from titan_recur.data.loader import _held_out
 
     out = tmp_path / "held_out.jsonl"
     config = str(REPO / "train_configs" / "debug_model.toml")
@@ -475,7 +475,7 @@ def test_in_loop_validation_and_eval_loss_agree_on_the_same_rows(tmp_path: Path,
     With other rows (the old defaults: 8 batches of 8) the numbers differ by more than float noise:
     that, not the model, was the gap between the in-loop and the offline figure.
     """
-    from titan_recur.train import main as train_main
+    from titan_recur.training.trainer import main as train_main
 
     dump = tmp_path / "run"
     assert train_main(["--config", str(REPO / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(dump),

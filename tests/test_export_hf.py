@@ -17,7 +17,7 @@ from tests.test_train_distributed import make_model_dir
 from titan_recur import ModelArgs, RecurrentLM, greedy_generate, load_model, save_model
 from titan_recur.hf.export import ExportError, export_hf, standalone_modeling_source
 from titan_recur.models.loss import cross_entropy_loss
-from titan_recur.surgery import ConvertOptions, convert, plan_layers
+from titan_recur.convert.surgery import ConvertOptions, convert, plan_layers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -134,7 +134,7 @@ torch.save(logits, {str(tmp_path / "logits.pt")!r})
 def test_inlining_refuses_a_dependency_it_does_not_ship(monkeypatch: pytest.MonkeyPatch) -> None:
     import titan_recur.hf.export as export
 
-    monkeypatch.setattr(export, "INLINED_MODULES", ("titan_recur.models.args", "titan_recur.surgery"))
+    monkeypatch.setattr(export, "INLINED_MODULES", ("titan_recur.models.args", "titan_recur.convert.surgery"))
     with pytest.raises(ExportError, match=r"surgery.py:\d+: cannot inline \['param_counts'"):
         standalone_modeling_source()
 

@@ -83,7 +83,7 @@ def test_export_runs_on_transformers(
             assert torch.equal(outputs["logits"][r], reference(ids, r, attention_mask=mask, state_init="zero")), r
     assert torch.equal(outputs["greedy"], greedy_generate(reference, ids, 6, attention_mask=mask, num_steps=3))
     assert result["beams_equal_without_cache"]
-    from titan_recur.tokenizer import load_tokenizer
+    from titan_recur.data.tokenizer import load_tokenizer
 
     expected_ids = load_tokenizer(model_dir).encode("What is 3 + 4?", bos=True, eos=False)
     tokenizer_class = "PreTrainedTokenizerFast" if version == "4.57" else "TokenizersBackend"

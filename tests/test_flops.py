@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
-from titan_recur.flops import (
+from titan_recur.training.cost_model import (
     TrainingRun,
     block_params,
     eval_flops_per_token,
@@ -26,11 +26,11 @@ from titan_recur.flops import (
     training_flops_per_token,
 )
 from titan_recur.models.args import PRESETS, ModelArgs
-from titan_recur.models.io import write_model_args
+from titan_recur.storage.model_io import write_model_args
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.models.model import RecurrentLM
-from titan_recur.parallelize import apply_activation_checkpointing
-from titan_recur.recurrence import Curriculum, RecurrenceSchedule
+from titan_recur.training.parallelize import apply_activation_checkpointing
+from titan_recur.training.recurrence import Curriculum, RecurrenceSchedule
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "flops.py"

@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_recur.generate import main as generate_main
+from titan_recur.cli.generate import main as generate_main
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.cache import KVCache
-from titan_recur.models.generate import EXIT_CRITERIA, GenerationOptions, generate, left_pad
-from titan_recur.models.io import save_model
+from titan_recur.inference.engine import EXIT_CRITERIA, GenerationOptions, generate, left_pad
+from titan_recur.storage.model_io import save_model
 from titan_recur.models.model import RecurrentLM
 
 REPO = Path(__file__).resolve().parents[1]
@@ -464,7 +464,7 @@ def test_cli_json_fields_and_batched_equals_single(model_dir: Path, tmp_path: Pa
     assert set(report) == {"prompts", "mean_steps", "kv_cache_bytes", "tokens_per_sec", "settings"}
     assert report["kv_cache_bytes"] > 0 and report["tokens_per_sec"] > 0
     assert report["settings"]["kv_sharing"] == "latest" and report["settings"]["exit_criterion"] == "entropy-diff"
-    from titan_recur.tokenizer import load_tokenizer
+    from titan_recur.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     steps = []
@@ -483,7 +483,7 @@ def test_cli_json_fields_and_batched_equals_single(model_dir: Path, tmp_path: Pa
 
 
 def test_cli_bad_input_is_one_line_before_decoding(model_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
-    import titan_recur.generate as cli
+    import titan_recur.cli.generate as cli
 
     monkeypatch.setattr(cli, "generate", lambda *a, **k: pytest.fail("decoding started"))
     empty_line = tmp_path / "empty.jsonl"
@@ -557,7 +557,7 @@ def test_hf_export_generate_takes_the_depth_knobs(model_dir: Path, tmp_path: Pat
     from transformers import AutoModelForCausalLM
 
     from titan_recur.hf.export import export_hf
-    from titan_recur.models.io import load_model
+    from titan_recur.storage.model_io import load_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     export_hf(load_model(model_dir), tmp_path / "hf", tokenizer_folder=model_dir)

@@ -16,7 +16,7 @@ from tests.test_train_distributed import make_model_dir
 from titan_recur import greedy_generate, load_model
 from titan_recur.hf.export import export_hf
 from titan_recur.models.loss import cross_entropy_loss
-from titan_recur.recurrence import RecurrenceSampler
+from titan_recur.training.recurrence import RecurrenceSampler
 
 MEAN = 3  # the exports' mean recurrence
 

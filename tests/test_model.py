@@ -19,8 +19,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.blocks import AttentionContext, TransformerBlock
 from titan_recur.models.cache import KVCache
-from titan_recur.models.generate import greedy_generate
-from titan_recur.models.io import WEIGHTS_NAME, load_model, save_model
+from titan_recur.inference.engine import greedy_generate
+from titan_recur.storage.model_io import WEIGHTS_NAME, load_model, save_model
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.models.model import RecurrentLM, resolve_num_steps
 from titan_recur.models.rope import rope_cos_sin, rope_inverse_frequencies

@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from titan_recur.config import LRScheduler, Optimizer
 from titan_recur.models import ModelArgs, RecurrentLM, cross_entropy_loss
-from titan_recur.optim import (
+from titan_recur.training.optim import (
     Muon,
     assign_owners,
     build_optimizers,

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 import titan_recur
-from titan_recur.resources import find_config, project_folder
+from titan_recur.utils.resources import find_config, project_folder
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = {
-    "titan-recur-train": "titan_recur.train:main",
+    "titan-recur-train": "titan_recur.training.trainer:main",
     "titan-recur-eval": "titan_recur.eval.__main__:main",
     "titan-recur-convert": "titan_recur.cli.convert:main",
     "titan-recur-export": "titan_recur.cli.export:main",
@@ -30,6 +30,7 @@ SCRIPTS = {
     "titan-recur-prepare-data": "titan_recur.cli.prepare_data:main",
     "titan-recur-analyze-layers": "titan_recur.cli.analyze_layers:main",
     "titan-recur-compare": "titan_recur.cli.compare:main",
+    "titan-recur-generate": "titan_recur.cli.generate:main",
 }
 
 
@@ -118,7 +119,7 @@ def test_the_install_finds_its_configs_and_tasks(installed, tmp_path):
     assert {p.name for p in (installed / "bin").iterdir()} == set(SCRIPTS)
     where = subprocess.run(
         [sys.executable, "-c", "import titan_recur; from titan_recur.config import load_config; "
-         "from titan_recur.resources import find_config, project_folder; "
+         "from titan_recur.utils.resources import find_config, project_folder; "
          "cfg = load_config(find_config('train_configs/tinyllama_cc_math.toml')); "
          "print(titan_recur.__file__, project_folder('tasks'), cfg.training.steps, cfg.model.preset, "
          "cfg.recurrence.curriculum)"],
@@ -130,11 +131,14 @@ def test_the_install_finds_its_configs_and_tasks(installed, tmp_path):
 
 
 def test_checkout_resources_are_the_top_level_folders(tmp_path, monkeypatch):
-    assert project_folder("train_configs") == REPO / "train_configs"
-    assert project_folder("tasks") == REPO / "tasks"
+    """The top-level folders users type are the package's own (links), so every install reads one copy."""
+    assert project_folder("train_configs") == REPO / "titan_recur" / "train_configs"
+    assert (REPO / "train_configs").resolve() == project_folder("train_configs")
+    assert (REPO / "tasks").resolve() == project_folder("tasks")
     monkeypatch.chdir(tmp_path)
-    assert find_config("train_configs/debug_model.toml") == str(REPO / "train_configs" / "debug_model.toml")
-    assert find_config("base/paper.toml") == str(REPO / "train_configs" / "base" / "paper.toml")
+    package_configs = REPO / "titan_recur" / "train_configs"
+    assert find_config("train_configs/debug_model.toml") == str(package_configs / "debug_model.toml")
+    assert find_config("base/paper.toml") == str(package_configs / "base" / "paper.toml")
     (tmp_path / "train_configs").mkdir()
     (tmp_path / "train_configs" / "debug_model.toml").write_text("")
     assert find_config("train_configs/debug_model.toml") == "train_configs/debug_model.toml"  # a local file wins

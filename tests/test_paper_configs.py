@@ -27,12 +27,12 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from titan_recur.config import Recurrence, config_from_dict, config_to_dict, load_config, parse_args
-from titan_recur.flops import TrainingRun, block_params, paper_flops_per_token, param_counts, training_flops_per_token
+from titan_recur.training.cost_model import TrainingRun, block_params, paper_flops_per_token, param_counts, training_flops_per_token
 from titan_recur.models.args import PRESETS, ModelArgs
-from titan_recur.models.io import resolve_model_args, write_model_args
+from titan_recur.storage.model_io import resolve_model_args, write_model_args
 from titan_recur.models.model import RecurrentLM
-from titan_recur.optim import Muon, build_optimizers
-from titan_recur.recurrence import RecurrenceSchedule
+from titan_recur.training.optim import Muon, build_optimizers
+from titan_recur.training.recurrence import RecurrenceSchedule
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "train_configs"

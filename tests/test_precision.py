@@ -15,8 +15,8 @@ from tests.torchrun_util import REPO_ROOT
 from titan_recur.config import load_config
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.model import RecurrentLM
-from titan_recur.parallelize import forward_autocast, mixed_precision_policy
-from titan_recur.train import Trainer
+from titan_recur.training.parallelize import forward_autocast, mixed_precision_policy
+from titan_recur.training.trainer import Trainer
 
 DEBUG_CONFIG = str(REPO_ROOT / "train_configs" / "debug_model.toml")
 

@@ -19,12 +19,13 @@ import datasets
 import pytest
 import torch
 
-from titan_recur import data, preflight
+from titan_recur.data import loader
+from titan_recur.training import preflight
 from titan_recur.config import load_config
 from titan_recur.models.args import PRESETS, ModelArgs
-from titan_recur.models.io import resolve_model_args, write_model_args
+from titan_recur.storage.model_io import resolve_model_args, write_model_args
 from titan_recur.models.model import RecurrentLM
-from titan_recur.train import main
+from titan_recur.training.trainer import main
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "train_configs"
@@ -57,7 +58,7 @@ def checkout(tmp_path_factory) -> Path:
 @pytest.fixture
 def hub_standin(monkeypatch: pytest.MonkeyPatch) -> None:
     """Hub sources read a local corpus (its "text" column under the source's field name)."""
-    real = data.open_source
+    real = loader.open_source
 
     def open_source(s):
         if s.kind != "hf":
@@ -66,7 +67,7 @@ def hub_standin(monkeypatch: pytest.MonkeyPatch) -> None:
                                    streaming=True).select_columns(["text"])
         return ds if s.text_field == "text" else ds.rename_column("text", s.text_field)
 
-    monkeypatch.setattr(data, "open_source", open_source)
+    monkeypatch.setattr(loader, "open_source", open_source)
 
 
 def run_check(argv: list[str], capsys) -> tuple[int, str, list[str]]:
@@ -87,7 +88,7 @@ def test_check_prints_the_plan_of_every_shipped_config(checkout, hub_standin, mo
         assert f"steps: {cfg.training.steps:,} " in out
         assert "memory per GPU: ~" in out and "time: ~" in out and "of 989 TFLOP/s per GPU" in out
         assert "validation: every 1000 steps" in out, name
-        sources = {s.name for s in data.all_sources(cfg.data)}
+        sources = {s.name for s in loader.all_sources(cfg.data)}
         assert all(f"data: {s}: first document read" in out for s in sources), name
         if name in PAPER_FLOPS:
             assert f"paper {PAPER_FLOPS[name]:.4e}" in out, name
@@ -203,7 +204,7 @@ def bench():
 @pytest.fixture(scope="module")
 def wide_vocab_model(tmp_path_factory) -> Path:
     """A model whose embedding, head and loss outweigh its activations (vocab 4096 at d 128)."""
-    from titan_recur.models.io import save_model
+    from titan_recur.storage.model_io import save_model
 
     torch.manual_seed(0)
     model = RecurrentLM(ModelArgs(vocab_size=4096, dim=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,

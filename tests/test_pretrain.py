@@ -60,8 +60,8 @@ def test_from_scratch_run_equals_a_plain_pytorch_loop(tmp_path):
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from titan_recur.models.io import architecture_args
-    from titan_recur.train import initial_full_state, main
+    from titan_recur.storage.model_io import architecture_args
+    from titan_recur.training.trainer import initial_full_state, main
 
     docs = [json.loads(line)["text"] for line in (REPO / "assets" / "corpus" / "general.jsonl").open()][:20]
     data = tmp_path / "docs.jsonl"
@@ -131,7 +131,7 @@ def test_bad_architecture_is_one_line(tmp_path, overrides, expected):
 
 
 def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_training(tmp_path, capsys):
-    from titan_recur.train import main
+    from titan_recur.training.trainer import main
 
     data = tmp_path / "docs.jsonl"
     data.write_text(json.dumps({"text": "hello"}) + "\n")

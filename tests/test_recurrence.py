@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from titan_recur.config import Recurrence
-from titan_recur.recurrence import (
+from titan_recur.training.recurrence import (
     Curriculum,
     RecurrenceSampler,
     RecurrenceSchedule,

@@ -38,12 +38,12 @@ from tests.test_checkpoint import (
     write_config,
 )
 from tests.test_train_distributed import make_model_dir
-from titan_recur.checkpoint import scan_checkpoints, verify_checkpoint
+from titan_recur.storage.checkpoint import scan_checkpoints, verify_checkpoint
 from titan_recur.config import ConfigError, load_config
-from titan_recur.models.io import read_model_args, write_model_args
-from titan_recur.models.manifest import MANIFEST_NAME, IntegrityError
-from titan_recur.train import EXIT_BAD_INPUT, EXIT_IO_FAILURE, EXIT_NONFINITE
-from titan_recur.watchdog import EXIT_STALLED
+from titan_recur.storage.model_io import read_model_args, write_model_args
+from titan_recur.storage.manifest import MANIFEST_NAME, IntegrityError
+from titan_recur.training.trainer import EXIT_BAD_INPUT, EXIT_IO_FAILURE, EXIT_NONFINITE
+from titan_recur.training.watchdog import EXIT_STALLED
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 TMPFS_BYTES = 32 << 20
@@ -404,7 +404,7 @@ def test_disk_full_is_one_line_and_the_previous_checkpoint_stays_intact(runs):
 def test_force_replaces_only_a_folder_of_the_tools_own_kind(runs, tiny_hf_checkpoint, tmp_path):
     """export/convert --force onto a trained model or a checkpoint refuse and change nothing."""
     from tests.dist_workers.ckpt_worker import snapshot
-    from titan_recur.surgery import ConversionError
+    from titan_recur.convert.surgery import ConversionError
 
     convert_hf, export_hf = load_tool("convert_hf"), load_tool("export_hf")
 
@@ -433,7 +433,7 @@ def test_force_replaces_only_a_folder_of_the_tools_own_kind(runs, tiny_hf_checkp
 
 
 def test_conversion_of_a_damaged_source_is_one_line(tiny_hf_checkpoint, tmp_path):
-    from titan_recur.surgery import ConversionError
+    from titan_recur.convert.surgery import ConversionError
 
     convert_hf = load_tool("convert_hf")
 

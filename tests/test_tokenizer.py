@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast
 
 from titan_recur import load_tokenizer
-from titan_recur.tokenizer import (
+from titan_recur.data.tokenizer import (
     LLAMA3_PATTERN,
     HFTokenizer,
     SentencePieceTokenizer,

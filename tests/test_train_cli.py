@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.torchrun_util import REPO_ROOT, run_torchrun
-from titan_recur.train import main
+from titan_recur.training.trainer import main
 
 DEBUG_CONFIG = str(REPO_ROOT / "train_configs" / "debug_model.toml")
 METRIC_KEYS = {

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.torchrun_util import REPO_ROOT
-from titan_recur.metrics import WANDB_ID_FILE
-from titan_recur.train import main
+from titan_recur.training.metrics import WANDB_ID_FILE
+from titan_recur.training.trainer import main
 from wandb.proto import wandb_internal_pb2 as wandb_pb2
 
 DEBUG_CONFIG = str(REPO_ROOT / "train_configs" / "debug_model.toml")

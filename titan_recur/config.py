@@ -26,15 +26,15 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from titan_recur.models.args import PRESETS
-from titan_recur.resources import find_config
+from titan_recur.utils.resources import find_config
 
-# Activation checkpointing modes of the parallelize recipe (their FLOP cost is in titan_recur.flops).
+# Activation checkpointing modes of the parallelize recipe (their FLOP cost is in titan_recur.training.cost_model).
 ACMode = Literal["none", "full", "per_iteration"]
 AC_MODES: tuple[str, ...] = get_args(ACMode)
-# Fingerprint fields whose change on resume is safe by design (titan_recur.fingerprint; docs/checkpointing.md).
+# Fingerprint fields whose change on resume is safe by design (titan_recur.training.fingerprint; docs/checkpointing.md).
 AllowedChange = Literal["steps", "seq_len", "global_batch_size", "recurrence", "data"]
 ALLOWED_CHANGES: tuple[str, ...] = get_args(AllowedChange)
-# How a data source's records become tokens and labels (titan_recur.data; docs/data.md).
+# How a data source's records become tokens and labels (titan_recur.data.loader; docs/data.md).
 DataFormat = Literal["text", "prompt_completion"]
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 

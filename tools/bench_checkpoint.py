@@ -3,7 +3,7 @@
     python tools/bench_checkpoint.py [--megabytes 200] [--repeats 3] [--folder outputs/bench_checkpoint]
 
 Prints one line per figure (docs/checkpointing.md quotes them). The checkpoint is one process's
-model-like state (fp32 matrices) written by titan_recur.checkpoint.CheckpointManager, whose save
+model-like state (fp32 matrices) written by titan_recur.storage.checkpoint.CheckpointManager, whose save
 checksums the shards and writes manifest.json, against a bare ``dcp.save``; loading is
 ``choose_resume`` (verification) + ``load`` against the load alone. The files were just written, so
 they are read from the page cache: with a cold cache the checksum pass reads them from disk once and
@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from titan_recur.checkpoint import CheckpointManager, ModelState
+from titan_recur.storage.checkpoint import CheckpointManager, ModelState
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from prepare_data import parse_args, prepare  # tools/ is on sys.path when run as a script
 from titan_recur.config import Data, DataSource
-from titan_recur.data import build_dataloader
-from titan_recur.tokenizer import load_tokenizer
+from titan_recur.data.loader import build_dataloader
+from titan_recur.data.tokenizer import load_tokenizer
 
 
 def _texts(corpus: Path) -> list[str]:

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_recur import ModelArgs, RecurrentLM
-from titan_recur.models.generate import GenerationOptions, generate
+from titan_recur.inference.engine import GenerationOptions, generate
 
 
 class ConcatKVCache:
@@ -269,7 +269,7 @@ def heldout_rows(args: argparse.Namespace, tokenizer) -> list[torch.Tensor]:
 
 def run_quality(args: argparse.Namespace) -> None:
     from titan_recur.eval.loading import load_checkpoint
-    from titan_recur.tokenizer import load_tokenizer
+    from titan_recur.data.tokenizer import load_tokenizer
 
     model = load_checkpoint(args.checkpoint)
     rows = heldout_rows(args, load_tokenizer(args.checkpoint))
@@ -323,7 +323,7 @@ def run_task(args: argparse.Namespace) -> None:
     import json
 
     from titan_recur.eval.loading import load_checkpoint
-    from titan_recur.tokenizer import load_tokenizer
+    from titan_recur.data.tokenizer import load_tokenizer
 
     model, tokenizer = load_checkpoint(args.checkpoint), load_tokenizer(args.checkpoint)
     low, _, high = args.lengths.partition("-")

@@ -40,13 +40,13 @@ def build_step(cfg):
     """The trainer's model, optimizers and a batch for one process; returns (step function, device)."""
     import torch
 
-    from titan_recur.data import build_dataloader
-    from titan_recur.models.io import load_state_dict_into, read_weights, resolve_model_args
+    from titan_recur.data.loader import build_dataloader
+    from titan_recur.storage.model_io import load_state_dict_into, read_weights, resolve_model_args
     from titan_recur.models.model import RecurrentLM
-    from titan_recur.optim import build_optimizers
-    from titan_recur.parallelize import forward_autocast, parallelize_model
-    from titan_recur.preflight import tokenizer_folder
-    from titan_recur.tokenizer import load_tokenizer
+    from titan_recur.training.optim import build_optimizers
+    from titan_recur.training.parallelize import forward_autocast, parallelize_model
+    from titan_recur.training.preflight import tokenizer_folder
+    from titan_recur.data.tokenizer import load_tokenizer
 
     t, r = cfg.training, cfg.recurrence
     device = torch.device("cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu")
@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     if ns.measure:
         print(measure_tensors(cfg) if ns.measure == "tensors" else measure_rss(cfg))
         return
-    from titan_recur.models.io import resolve_model_args
-    from titan_recur.preflight import memory_estimate
+    from titan_recur.storage.model_io import resolve_model_args
+    from titan_recur.training.preflight import memory_estimate
 
     import torch
 

@@ -55,9 +55,9 @@ def build(args: argparse.Namespace, mode: str, seed: int):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from titan_recur.models.io import load_model
+    from titan_recur.storage.model_io import load_model
     from titan_recur.models.model import RecurrentLM
-    from titan_recur.parallelize import apply_fsdp, build_dp_mesh, mixed_precision_policy
+    from titan_recur.training.parallelize import apply_fsdp, build_dp_mesh, mixed_precision_policy
 
     torch.manual_seed(seed)
     if args.model:
@@ -84,7 +84,7 @@ def model_args(args: argparse.Namespace):
 
 
 def context(mode: str):
-    from titan_recur.parallelize import forward_autocast
+    from titan_recur.training.parallelize import forward_autocast
 
     return forward_autocast("cpu", "bfloat16", "fsdp" if mode == "fp32" else mode)
 

@@ -2,7 +2,7 @@
 
 Memory: with per-iteration activation checkpointing, no-grad iterations store nothing, so peak
 memory must stay flat in n (the issue's bound: peak(n=32) / peak(n=0) <= 1.10 at k=4).
-Time: step time vs r, printed next to the analytic FLOP ratio of titan_recur.flops.
+Time: step time vs r, printed next to the analytic FLOP ratio of titan_recur.training.cost_model.
 
 Each (n, k) point runs in a fresh subprocess so that peak memory is that point's own
 (CUDA: max_memory_allocated; CPU: peak RSS minus the RSS before the first step, with glibc's
@@ -48,7 +48,7 @@ def build_model(args: argparse.Namespace):
     import torch
 
     from titan_recur import ModelArgs, RecurrentLM
-    from titan_recur.parallelize import parallelize_model
+    from titan_recur.training.parallelize import parallelize_model
 
     prelude, core, coda = (int(v) for v in args.shape.split(","))
     model_args = ModelArgs(
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.point:
         print(json.dumps(run_point(args)))
         return
-    from titan_recur import flops
+    from titan_recur.training import cost_model
 
     _, model_args = build_model(argparse.Namespace(**{**vars(args), "device": "cpu", "compile": False}))
     print(f"# shape {args.shape} d={args.dim} batch {args.batch} x seq {args.seq_len}, device {args.device}, "
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     base_time = base_flops = None
     for r in [int(v) for v in args.time_points.split(",")]:
         point = measure(args, r - 1, 1)
-        per_token = flops.training_flops_per_token(model_args, (r - 1, 1), args.seq_len).total
+        per_token = cost_model.training_flops_per_token(model_args, (r - 1, 1), args.seq_len).total
         base_time, base_flops = base_time or point["step_seconds"], base_flops or per_token
         print(f"| {r} | {point['step_seconds']:.3f} | {point['step_seconds'] / base_time:.2f} | "
               f"{per_token / base_flops:.2f} |")

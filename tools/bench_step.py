@@ -9,7 +9,7 @@ need a process group), or as one process on the CPU.
         --num-steps 24,8 --seq-len 1024 --local-batch 8 --compile --ac-mode per_iteration
     python tools/bench_step.py --model assets/tiny_llama_recurrent --num-steps 3,1 --seq-len 64   # CPU
 
-MFU uses the full FLOP convention (titan_recur.flops: every matmul of the (n, k) run, attention
+MFU uses the full FLOP convention (titan_recur.training.cost_model: every matmul of the (n, k) run, attention
 included, AC recompute excluded) over the device's dense bf16 peak (--peak-flops to override).
 """
 
@@ -67,9 +67,9 @@ def run(args: argparse.Namespace) -> dict:
     no-grad and one grad iteration inside the real step (changing (n, k) compiles nothing new)."""
     import torch
 
-    from titan_recur import flops
+    from titan_recur.training import cost_model
     from titan_recur.config import load_config
-    from titan_recur.train import Trainer
+    from titan_recur.training.trainer import Trainer
 
     n, k = (int(v) for v in args.num_steps.split(","))
     with tempfile.TemporaryDirectory() as dump:
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> dict:
         no_grad_ms = 1000 * (seconds_per_step((n + 4, k), args.steps) - seconds) / 4 if recurrent else None
         grad_ms = 1000 * (seconds_per_step((n, k + 2), args.steps) - seconds) / 2 if recurrent else None
         tokens = args.local_batch * args.seq_len * trainer.grad_accum
-        per_token = flops.training_flops_per_token(trainer.model_args, (n, k), args.seq_len, args.ac_mode)
+        per_token = cost_model.training_flops_per_token(trainer.model_args, (n, k), args.seq_len, args.ac_mode)
         peak = trainer.metrics.peak_flops
         result = {
             "model": args.preset or args.model, "shape": args.shape if args.preset else None,
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> dict:
             "world_size": trainer.dist.world_size, "ac_mode": args.ac_mode, "compile": args.compile,
             "device": str(device), "step_seconds": seconds, "tokens_per_sec_per_device": tokens / seconds,
             "model_flops_per_token": per_token.total, "peak_flops": peak,
-            "mfu": flops.mfu(per_token.total * tokens / seconds, peak), "peak_memory_gib": memory,
+            "mfu": cost_model.mfu(per_token.total * tokens / seconds, peak), "peak_memory_gib": memory,
             "no_grad_iteration_ms": no_grad_ms, "grad_iteration_ms": grad_ms,
         }
         trainer.close()

@@ -44,7 +44,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from titan_recur.surgery import convert, plan_layers
+from titan_recur.convert.surgery import convert, plan_layers
 
 SEED = 1234
 VOCAB_SIZE = 512

@@ -24,8 +24,8 @@ from typing import Any
 
 from make_depth_task import parse_lengths  # a sibling: tools/ is sys.path[0] for a script
 
-from titan_recur.compare import PREFERRED_METRICS
-from titan_recur.plots import pyplot, save_figure
+from titan_recur.eval.comparison import PREFERRED_METRICS
+from titan_recur.utils.plots import pyplot, save_figure
 
 _LENGTH = re.compile(r"_(\d+)$")
 

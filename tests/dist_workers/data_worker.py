@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from titan_recur.config import Data, DataPhase, DataSource
-from titan_recur.data import build_dataloader
-from titan_recur.tokenizer import load_tokenizer
+from titan_recur.data.loader import build_dataloader
+from titan_recur.data.tokenizer import load_tokenizer
 
 SEQ_LEN, BATCH, ROWS_PER_STEP = 8, 2, 4
 

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-import titan_recur.train as train
-from titan_recur.checkpoint import scan_checkpoints, verify_checkpoint
+import titan_recur.training.trainer as train
+from titan_recur.storage.checkpoint import scan_checkpoints, verify_checkpoint
 
 # What the trainer imports lazily, once here rather than in every forked rank (deterministic mode
 # imports torch._inductor: seconds).
@@ -44,7 +44,7 @@ LAUNCH_TIMEOUT_S = 300
 
 
 class Launch:
-    """One process per rank forked from this one, each running titan_recur.train.main(argv)."""
+    """One process per rank forked from this one, each running titan_recur.training.trainer.main(argv)."""
 
     def __init__(self, argv: list[str], world: int, log: Path) -> None:
         with socket.socket() as s:

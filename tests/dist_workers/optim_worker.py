@@ -23,7 +23,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from titan_recur.models import ModelArgs, RecurrentLM, cross_entropy_loss
 from titan_recur.config import LRScheduler, Optimizer
-from titan_recur.optim import Muon, build_optimizers, clip_coefficient, grad_square_sum, scale_grads_
+from titan_recur.training.optim import Muon, build_optimizers, clip_coefficient, grad_square_sum, scale_grads_
 from worker_util import finish
 
 # (n_no_grad, k_grad) per step; the same on every rank.

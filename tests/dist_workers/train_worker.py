@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from titan_recur.config import load_config
-from titan_recur.train import Trainer
+from titan_recur.training.trainer import Trainer
 
 PARAM_NAME_NOISE = ("_checkpoint_wrapped_module.", "_orig_mod.")
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from titan_recur.analysis import (
+from titan_recur.convert.layer_analysis import (
     JSON_NAME,
     RANDOM_RECURRENCES,
     analyze,
@@ -49,8 +49,8 @@ from titan_recur.analysis import (
     shapes_for_budget,
 )
 from titan_recur.config import DATA_FORMATS
-from titan_recur.eval.loss import check_recurrences
-from titan_recur.surgery import ConversionError, parse_shape, read_source, resolve_source
+from titan_recur.training.validation import check_recurrences
+from titan_recur.convert.surgery import ConversionError, parse_shape, read_source, resolve_source
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # torchdata's StatefulDataLoader calls a deprecated torch API on construction; it would precede every line we print.
@@ -114,7 +114,7 @@ def run(argv: list[str] | None = None) -> None:
     from titan_recur.config import load_config
     from titan_recur.eval.loading import resolve_device
     from titan_recur.eval.sweep import heldout_batches
-    from titan_recur.tokenizer import check_vocab, load_tokenizer
+    from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 
     args = build_parser().parse_args(argv)
     shape = None if args.recommend is None else parse_shape(args.recommend)

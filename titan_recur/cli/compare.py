@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from titan_recur.checkpoint import CheckpointError
+from titan_recur.storage.checkpoint import CheckpointError
 from titan_recur.config import DATA_FORMATS, ConfigError
 
 EPILOG = """\
@@ -94,7 +94,7 @@ def progress_bar(total: int):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    from titan_recur.compare import EvalSettings, compare, read_run, task_manager, write_report
+    from titan_recur.eval.comparison import EvalSettings, compare, read_run, task_manager, write_report
 
     labels = ns.labels.split(",") if ns.labels else [None] * len(ns.runs)
     try:

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from titan_recur.models.args import ADAPTER_INITS, STATE_INITS
-from titan_recur.surgery import (
+from titan_recur.convert.surgery import (
     DTYPES,
     ConversionError,
     ConvertOptions,

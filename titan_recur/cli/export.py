@@ -20,11 +20,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from titan_recur.checkpoint import CheckpointError
+from titan_recur.storage.checkpoint import CheckpointError
 from titan_recur.eval.loading import DTYPES, default_tokenizer_folder, load_checkpoint
 from titan_recur.hf.export import export_hf
 from titan_recur.models.args import STATE_INITS
-from titan_recur.tokenizer import check_vocab, load_tokenizer
+from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:

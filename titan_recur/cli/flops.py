@@ -1,6 +1,6 @@
 """FLOPs of a depth-recurrent training run: per token, cumulative under the curriculum, compute-matched.
 
-Two conventions (see titan_recur/flops.py): "paper" (6 * tokens * non-embedding params, scheduled
+Two conventions (see titan_recur/training/cost_model.py): "paper" (6 * tokens * non-embedding params, scheduled
 mean r, as the reference reports) and "full" (matmul FLOPs of the (n, k) actually sampled per
 micro-step, with attention, adapter and LM head).
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from titan_recur.config import ConfigError, Recurrence, Training, load_config
-from titan_recur.flops import (
+from titan_recur.training.cost_model import (
     AC_MODES,
     CONVENTIONS,
     TrainingRun,
@@ -24,8 +24,8 @@ from titan_recur.flops import (
     training_flops_per_token,
 )
 from titan_recur.models.args import PRESETS, ModelArgs
-from titan_recur.models.io import read_model_args
-from titan_recur.recurrence import CURRICULUM_KINDS, Curriculum, RecurrenceSchedule
+from titan_recur.storage.model_io import read_model_args
+from titan_recur.training.recurrence import CURRICULUM_KINDS, Curriculum, RecurrenceSchedule
 
 # Flags that describe the run, and the config keys that take their place under --config.
 SCHEDULE_FLAGS = {

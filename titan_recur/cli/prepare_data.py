@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from titan_recur.config import DATA_FORMATS, DataSource
-from titan_recur.data import (
+from titan_recur.data.loader import (
     LABELS_COLUMN,
     TOKENS_COLUMN,
     TOKENS_FORMAT_V2,
@@ -57,7 +57,7 @@ from titan_recur.data import (
     read_documents,
     tokenizer_probe,
 )
-from titan_recur.tokenizer import Tokenizer, load_tokenizer
+from titan_recur.data.tokenizer import Tokenizer, load_tokenizer
 
 _tokenizer: Tokenizer | None = None
 

@@ -4,6 +4,6 @@
 torch only: lm_eval (the optional ``eval`` extra) is imported by ``lm_eval_model`` and ``harness``.
 """
 
-from titan_recur.eval.loss import mean_losses, validation_loss_sums
+from titan_recur.training.validation import mean_losses, validation_loss_sums
 
 __all__ = ["mean_losses", "validation_loss_sums"]

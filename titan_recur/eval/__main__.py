@@ -22,11 +22,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from titan_recur.checkpoint import CheckpointError
+from titan_recur.storage.checkpoint import CheckpointError
 from titan_recur.config import DATA_FORMATS as FORMATS
 from titan_recur.eval.loading import add_checkpoint_arguments
 from titan_recur.models.args import STATE_INITS
-from titan_recur.resources import project_folder
+from titan_recur.utils.resources import project_folder
 
 DEFAULT_RECURRENCES = "1,2,4,8,16,32"
 DATA_BATCH_SIZE, DATA_SEQ_LEN = 8, 1024
@@ -132,9 +132,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 def run_loss(args: argparse.Namespace) -> None:
     from titan_recur.eval.loading import default_tokenizer_folder, load_checkpoint, resolve_device
-    from titan_recur.eval.loss import check_recurrences
+    from titan_recur.training.validation import check_recurrences
     from titan_recur.eval.sweep import heldout_batches, loss_sweep, rows_settings, write_report
-    from titan_recur.tokenizer import check_vocab, load_tokenizer
+    from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 
     recurrences = check_recurrences(args.recurrences)
     check_out(args.out)
@@ -182,7 +182,7 @@ def describe_rows(report: dict) -> str:
 
 def run_heldout(args: argparse.Namespace) -> None:
     from titan_recur.config import Data, DataSource, load_config
-    from titan_recur.data import heldout_documents
+    from titan_recur.data.loader import heldout_documents
     from titan_recur.eval.sweep import data_source, write_documents
 
     if args.documents < 1:

@@ -14,8 +14,8 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable
 
 from titan_recur.eval.lm_eval_model import TitanRecurLM
-from titan_recur.eval.loss import check_recurrences
-from titan_recur.plots import figure_vs_r, pyplot, save_figure
+from titan_recur.training.validation import check_recurrences
+from titan_recur.utils.plots import figure_vs_r, pyplot, save_figure
 
 TABLE_JSON, TABLE_MD = "table.json", "table.md"
 ACCURACY_PNG, CURVE_PNG = "accuracy_vs_r.png", "compute_curve.png"

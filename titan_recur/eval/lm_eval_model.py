@@ -25,9 +25,9 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
 from titan_recur.eval.loading import default_tokenizer_folder, load_checkpoint, resolve_device
-from titan_recur.eval.loss import check_recurrences
-from titan_recur.models.generate import WARM_START, GenerationOptions, generate, left_pad
-from titan_recur.tokenizer import check_vocab, load_tokenizer
+from titan_recur.training.validation import check_recurrences
+from titan_recur.inference.engine import WARM_START, GenerationOptions, generate, left_pad
+from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 
 
 @register_model("titan_recur")

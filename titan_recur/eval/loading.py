@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from titan_recur.checkpoint import ModelState, load_from
-from titan_recur.models.io import DTYPES, WEIGHTS_NAME, load_model, read_model_args
+from titan_recur.storage.checkpoint import ModelState, load_from
+from titan_recur.storage.model_io import DTYPES, WEIGHTS_NAME, load_model, read_model_args
 from titan_recur.models.model import RecurrentLM
 
 

@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 from titan_recur.config import Data, DataSource, load_config
-from titan_recur.data import build_dataloader
-from titan_recur.eval.loss import mean_losses, validation_loss_sums
+from titan_recur.data.loader import build_dataloader
+from titan_recur.training.validation import mean_losses, validation_loss_sums
 from titan_recur.models.model import RecurrentLM
-from titan_recur.plots import figure_vs_r, save_figure
-from titan_recur.progress import progress
-from titan_recur.tokenizer import Tokenizer
+from titan_recur.utils.plots import figure_vs_r, save_figure
+from titan_recur.utils.progress import progress
+from titan_recur.data.tokenizer import Tokenizer
 
 JSON_NAME = "validation_loss.json"
 PLOT_NAME = "validation_loss.png"

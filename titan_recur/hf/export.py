@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from titan_recur.models.args import STATE_INITS, ModelArgs
-from titan_recur.models.io import (
+from titan_recur.storage.model_io import (
     DTYPES,
     check_output_folder,
     copy_tokenizer_files,
@@ -28,9 +28,9 @@ from titan_recur.models.io import (
     write_atomically,
 )
 from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, RecurrentLM
-from titan_recur.progress import progress
-from titan_recur.recurrence import DEFAULT_SEED, DEFAULT_SIGMA
-from titan_recur.surgery import LayerPlan, source_tensor_names
+from titan_recur.utils.progress import progress
+from titan_recur.training.recurrence import DEFAULT_SEED, DEFAULT_SIGMA
+from titan_recur.convert.surgery import LayerPlan, source_tensor_names
 
 HF_DIR = Path(__file__).parent
 CONFIG_FILE = "configuration_titan_recur.py"
@@ -42,9 +42,9 @@ INLINED_MODULES = (
     "titan_recur.models.blocks",
     "titan_recur.models.cache",
     "titan_recur.models.loss",
-    "titan_recur.recurrence",
+    "titan_recur.training.recurrence",
     "titan_recur.models.model",
-    "titan_recur.models.generate",
+    "titan_recur.inference.engine",
     "titan_recur.hf.modeling_titan_recur",
 )
 # ModelArgs fields that are call defaults of an export, stored at the top level of the HF config.

@@ -1,7 +1,7 @@
 """Hugging Face wrapper of titan_recur's RecurrentLM, for exported folders loaded with trust_remote_code.
 
 An export ships this file with titan_recur's model code, depth sampler and generation engine
-(titan_recur/models/{args,rope,blocks,cache,loss,model,generate}.py, titan_recur/recurrence.py) inlined
+(titan_recur/models/{args,rope,blocks,cache,loss,model,generate}.py, titan_recur/training/recurrence.py) inlined
 above it by ``titan_recur.hf.export`` and the ``titan_recur`` imports below removed, so users need torch
 and transformers (4.57 or 5.x) only and the exported model runs exactly titan_recur's code. See docs/hf.md.
 
@@ -26,10 +26,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.blocks import AttentionContext
 from titan_recur.models.cache import KVCache
-from titan_recur.models.generate import GenerationOptions, generate
+from titan_recur.inference.engine import GenerationOptions, generate
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, NumSteps, RecurrentLM, resolve_num_steps
-from titan_recur.recurrence import DEFAULT_SEED, DEFAULT_SIGMA, RecurrenceSampler
+from titan_recur.training.recurrence import DEFAULT_SEED, DEFAULT_SIGMA, RecurrenceSampler
 
 from .configuration_titan_recur import TitanRecurConfig
 

@@ -1,6 +1,6 @@
 """The depth-recurrent LM (docs/method.md): embed -> prelude -> recurrent core (looped) -> coda -> norm -> head.
 
-Single-device code, free of parallelism. `titan_recur.parallelize` applies activation checkpointing,
+Single-device code, free of parallelism. `titan_recur.training.parallelize` applies activation checkpointing,
 compile and FSDP from outside, to the units this file exposes: `RecurrentLM.blocks()` (every
 transformer block) and `RecurrentCore.iteration` (one pass through the core, the unit of the loop).
 """

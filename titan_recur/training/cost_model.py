@@ -14,7 +14,7 @@ conventions are provided instead:
   with r the scheduled integer mean and d the backprop depth: non-embedding parameters only, no
   attention, adapter or head, the sampler's spread and +1 ignored. A static model is 6 * tokens * N.
 
-Optimizer steps are numbered 1..S as in the trainer (titan_recur.train), whose step number seeds the
+Optimizer steps are numbered 1..S as in the trainer (titan_recur.training.trainer), whose step number seeds the
 sampler and indexes the curriculum: cumulative FLOPs "after S steps" sum steps 1..S, and the full
 convention replays the trainer's draws exactly. That also reproduces the reference's 9.664e19 for
 TinyLlama 4,8,4 at step 20,000 (its histogram counts the 20,000 steps completed).
@@ -31,9 +31,9 @@ import torch
 
 from titan_recur.config import AC_MODES, grad_accum_steps
 from titan_recur.models.args import PRESETS, ModelArgs
-from titan_recur.models.io import resolve_model_args
+from titan_recur.storage.model_io import resolve_model_args
 from titan_recur.models.model import resolve_num_steps
-from titan_recur.recurrence import RecurrenceSchedule
+from titan_recur.training.recurrence import RecurrenceSchedule
 
 if TYPE_CHECKING:
     from titan_recur.config import JobConfig

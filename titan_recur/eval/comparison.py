@@ -1,7 +1,7 @@
 """Compute-matched comparison of training runs: training FLOPs against accuracy and loss at each test r.
 
 A run is a trainer dump folder (config.json, metrics.jsonl, checkpoints/step-N, final_model/). Its
-training FLOPs come from its saved config and progress through ``titan_recur.flops`` (the paper's and
+training FLOPs come from its saved config and progress through ``titan_recur.training.cost_model`` (the paper's and
 the full convention, exactly as tools/flops.py counts them); its models (the final one and, on
 request, every checkpoint) are evaluated at each test recurrence r: held-out loss through
 ``titan_recur.eval.sweep`` and task scores through the lm-eval-harness sweep. A static run (no
@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from titan_recur.checkpoint import read_metadata, scan_checkpoints
+from titan_recur.storage.checkpoint import read_metadata, scan_checkpoints
 from titan_recur.config import JobConfig, load_config
-from titan_recur.flops import CONVENTIONS, TrainingRun, config_training_run
-from titan_recur.models.io import read_model_args
-from titan_recur.plots import figure_vs_r, pyplot, save_figure
+from titan_recur.training.cost_model import CONVENTIONS, TrainingRun, config_training_run
+from titan_recur.storage.model_io import read_model_args
+from titan_recur.utils.plots import figure_vs_r, pyplot, save_figure
 
 CONFIG_NAME, METRICS_NAME, FINAL_MODEL = "config.json", "metrics.jsonl", "final_model"
 JSON_NAME, MARKDOWN_NAME = "compare.json", "compare.md"

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from titan_recur.eval.loss import mean_losses, validation_loss_sums
-from titan_recur.models.io import load_state_dict_into
+from titan_recur.training.validation import mean_losses, validation_loss_sums
+from titan_recur.storage.model_io import load_state_dict_into
 from titan_recur.models.model import RecurrentLM
-from titan_recur.surgery import (
+from titan_recur.convert.surgery import (
     ConversionError,
     ConvertOptions,
     LayerPlan,

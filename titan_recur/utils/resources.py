@@ -1,7 +1,7 @@
-"""The project folders that ship with the package: train_configs/, tasks/ and tools/.
+"""The project folders that ship inside the package: train_configs/ and tasks/.
 
-In a checkout they are the repository's top-level folders; an installed wheel carries copies inside
-the package (pyproject.toml maps them to titan_recur.train_configs, .tasks and .tools).
+They live in titan_recur/ (the repository's top-level ``train_configs`` and ``tasks`` are links to
+them), so a checkout, an editable install and a wheel all read the same files.
 """
 
 from __future__ import annotations
@@ -9,13 +9,9 @@ from __future__ import annotations
 import importlib.resources
 from pathlib import Path
 
-_CHECKOUT = Path(__file__).resolve().parents[1]
-
 
 def project_folder(name: str) -> Path:
-    """``train_configs``, ``tasks`` or ``tools`` of this checkout, else of the installed package."""
-    if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / name).is_dir():
-        return _CHECKOUT / name
+    """``train_configs`` or ``tasks`` of the installed (or checked-out) package."""
     return Path(str(importlib.resources.files("titan_recur") / name))
 
 

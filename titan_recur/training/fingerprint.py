@@ -13,8 +13,8 @@ from typing import Any
 
 from titan_recur.config import ALLOWED_CHANGES, JobConfig, config_to_dict
 from titan_recur.models.args import ModelArgs
-from titan_recur.models.io import TOKENIZER_FILES
-from titan_recur.models.manifest import file_checksum
+from titan_recur.storage.model_io import TOKENIZER_FILES
+from titan_recur.storage.manifest import file_checksum
 
 # Fields whose change on resume is never allowed (the saved state would contradict them).
 FIXED = ("model", "tokenizer", "seed", "optimizer", "lr_scheduler")

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_recur.models.manifest import (
+from titan_recur.storage.manifest import (
     MANIFEST_NAME,
     IntegrityError,
     check_files,

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from titan_recur.models.args import PRESETS, ModelArgs
-from titan_recur.models.manifest import folder_kind, seal_folder, verify_folder
+from titan_recur.storage.manifest import folder_kind, seal_folder, verify_folder
 from titan_recur.models.model import RecurrentLM
 
 if TYPE_CHECKING:  # the config schema; models never import it at run time

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from titan_recur import flops
+from titan_recur.training import cost_model
 from titan_recur.config import ConfigError, Metrics
-from titan_recur.plots import figure_vs_r
+from titan_recur.utils.plots import figure_vs_r
 
 WANDB_ID_FILE = "wandb_run_id"  # in the dump folder: the W&B run a resumed run continues
 
@@ -59,7 +59,7 @@ class StepWindow:
             "loss_avg": sum(self.losses) / len(self.losses) if self.losses else math.nan,
             "tokens_per_sec": self.tokens / elapsed,
             "flops_per_sec": flops_per_sec,
-            "mfu": flops.mfu(flops_per_sec, peak_flops),
+            "mfu": cost_model.mfu(flops_per_sec, peak_flops),
             "step_time": step_time,
             "eta_seconds": steps_left * step_time if steps_left is not None else math.nan,
         }

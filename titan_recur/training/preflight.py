@@ -22,16 +22,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from titan_recur import flops
+from titan_recur.training import cost_model
 from titan_recur.config import ConfigError, JobConfig, grad_accum_steps
-from titan_recur.data import all_sources, check_phase_weights, check_source
-from titan_recur.metrics import format_duration
+from titan_recur.data.loader import all_sources, check_phase_weights, check_source
+from titan_recur.training.metrics import format_duration
 from titan_recur.models.args import ModelArgs
-from titan_recur.models.io import resolve_model_args
+from titan_recur.storage.model_io import resolve_model_args
 from titan_recur.models.model import RecurrentLM
-from titan_recur.optim import split_params_for_muon
-from titan_recur.parallelize import dp_mesh_shape
-from titan_recur.tokenizer import Tokenizer, check_vocab, load_tokenizer
+from titan_recur.training.optim import split_params_for_muon
+from titan_recur.training.parallelize import dp_mesh_shape
+from titan_recur.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 
 GiB = 2**30
 # Exit status of a failed check (the trainer's EXIT_BAD_INPUT).
@@ -84,8 +84,8 @@ def split_check_args(argv: Sequence[str]) -> tuple[CheckOptions | None, list[str
     if world < 1 or not 0 < mfu <= 1:
         raise ConfigError(f"command line: --world-size must be >= 1 and --assume-mfu in (0, 1], got {world}, {mfu}")
     gpu = values.get("--gpu")
-    if gpu is not None and flops.peak_flops(device_name=gpu) is None:
-        names = ", ".join(name.lower() for name, _ in flops.PEAK_BF16_FLOPS)
+    if gpu is not None and cost_model.peak_flops(device_name=gpu) is None:
+        names = ", ".join(name.lower() for name, _ in cost_model.PEAK_BF16_FLOPS)
         raise ConfigError(f"command line: --gpu {gpu!r} is not in the peak table ({names}); set --metrics.peak_flops")
     return CheckOptions(world, mfu, gpu), rest
 
@@ -301,7 +301,7 @@ def memory_estimate(cfg: JobConfig, args: ModelArgs, world_size: int, device_typ
 # ---------------------------------------------------------------------------------------------- plan
 
 
-def full_flops_estimate(run: flops.TrainingRun, steps: int) -> tuple[float, bool]:
+def full_flops_estimate(run: cost_model.TrainingRun, steps: int) -> tuple[float, bool]:
     """Full-convention FLOPs of steps 1..steps: exact for short runs, else from PLAN_DRAWS draws spread
     evenly over the run (sampling noise well below 0.1%); True when exact."""
     sampled = max(1, PLAN_DRAWS // run.micro_steps)
@@ -316,11 +316,11 @@ def plan_lines(cfg: JobConfig, args: ModelArgs, world_size: int, options: CheckO
     """The plan, one fact per line: what runs, on how many ranks, for how long, in how much memory."""
     options = options or CheckOptions(world_size=world_size)
     t, r, m = cfg.training, cfg.recurrence, cfg.model
-    run = flops.config_training_run(cfg, world_size, args)
+    run = cost_model.config_training_run(cfg, world_size, args)
     accum, tokens_per_step = run.micro_steps, run.tokens_per_step
     replicas, shards = dp_mesh_shape(world_size, cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
     sequences = tokens_per_step // t.seq_len
-    counts = flops.param_counts(args)
+    counts = cost_model.param_counts(args)
     paper = run.cumulative_flops(t.steps, "paper")
     full, exact = full_flops_estimate(run, t.steps)
     shape = f"{args.n_prelude},{args.n_core},{args.n_coda}" + (" (recurrent)" if args.is_recurrent else " (static)")
@@ -346,7 +346,7 @@ def plan_lines(cfg: JobConfig, args: ModelArgs, world_size: int, options: CheckO
     memory = memory_estimate(cfg, args, world_size, device_type)
     lines.append(f"memory per {'GPU' if device_type != 'cpu' else 'process'}: ~{memory.describe()} at "
                  f"{t.local_batch_size} x {t.seq_len} tokens, ac_mode {t.ac_mode}, tensors only")
-    peak = flops.peak_flops(device_name=options.gpu, override=cfg.metrics.peak_flops)
+    peak = cost_model.peak_flops(device_name=options.gpu, override=cfg.metrics.peak_flops)
     if peak is None:
         lines.append("time: unknown peak FLOP/s of this device (set metrics.peak_flops; --check also takes --gpu h100)")
     else:

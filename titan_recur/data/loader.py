@@ -47,7 +47,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titan_recur.config import Data, DataSource
 from titan_recur.models.loss import IGNORE_INDEX
-from titan_recur.tokenizer import Tokenizer
+from titan_recur.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

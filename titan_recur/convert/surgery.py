@@ -24,9 +24,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from titan_recur.flops import param_counts
+from titan_recur.training.cost_model import param_counts
 from titan_recur.models.args import ModelArgs
-from titan_recur.models.io import (
+from titan_recur.storage.model_io import (
     CONFIG_NAME,
     DTYPES as MODEL_DTYPES,
     WEIGHTS_NAME,
@@ -37,7 +37,7 @@ from titan_recur.models.io import (
 )
 from titan_recur.models.model import RecurrentLM, init_identity_adapter
 from titan_recur.models.rope import SUPPORTED_ROPE_TYPES
-from titan_recur.progress import progress
+from titan_recur.utils.progress import progress
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Olmo2ForCausalLM": "olmo2"}
 _ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "olmo2": "Olmo2ForCausalLM"}

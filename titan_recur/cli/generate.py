@@ -1,0 +1,174 @@
+"""``python -m titan_recur.generate``: continue prompts at a chosen test-time depth (docs/generation.md).
+
+Examples:
+  python -m titan_recur.generate --checkpoint outputs/debug/final_model --prompt "The sum of 3 and 4 is" \\
+      --num-steps 8
+  python -m titan_recur.generate --checkpoint MODEL --prompts prompts.jsonl --num-steps 32 --kv-sharing latest \\
+      --exit kl --exit-threshold 1e-3 --min-steps 4 --batch-size 8 --json
+
+--prompts reads a JSON-lines file with a "prompt" string per line. --json prints one JSON object:
+{"prompts": [{"prompt", "text", "tokens", "steps_per_token", "mean_steps"}, ...], "mean_steps",
+"kv_cache_bytes" (the largest batch's cache), "tokens_per_sec", "settings"}. Errors are one line on
+stderr, exit code 2, before any decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from titan_recur.storage.checkpoint import CheckpointError
+from titan_recur.eval.loading import add_checkpoint_arguments, default_tokenizer_folder, load_checkpoint, resolve_device
+from titan_recur.inference.engine import GenerationOptions, check_prompts, generate, left_pad
+from titan_recur.storage.model_io import DTYPES, read_model_args
+from titan_recur.data.tokenizer import check_vocab, load_tokenizer
+
+PROG = "python -m titan_recur.generate"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage block), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_checkpoint_arguments(parser)
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", help="one prompt")
+    prompts.add_argument("--prompts", type=Path, help="JSON-lines file, one {\"prompt\": TEXT} per line")
+    parser.add_argument("--num-steps", type=int, help="core iterations per token, r (default: the model's mean_recurrence)")
+    parser.add_argument("--kv-sharing", default="full", help="full (exact), latest, or compress-N (default full)")
+    parser.add_argument("--exit", dest="exit_criterion", help="adaptive exit: kl, latent-diff, entropy-diff or argmax")
+    parser.add_argument("--exit-threshold", type=float, help="exit below this value (argmax: stable for this many "
+                        "checks); default Huginn's: kl 1e-3, latent-diff 0.03, entropy-diff 1e-3, argmax 5")
+    parser.add_argument("--min-steps", type=int, default=1, help="iterations before a token may exit (default 1)")
+    parser.add_argument("--check-every", type=int, default=1, help="check the exit criterion every J iterations")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default 8)")
+    parser.add_argument("--state-init", help="zero, embed, normal, or previous (warm start from the previous "
+                        "token's final state); default: the deterministic eval init")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="float32", help="model dtype: float32 (default) or bfloat16")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the decoded tokens' core iterations (C++ wrapper on CPU)")
+    parser.add_argument("--iterations-per-call", type=int, default=GenerationOptions.iterations_per_call,
+                        help="with --compile: core iterations per compiled call (default "
+                        f"{GenerationOptions.iterations_per_call}; fewer = shorter first compile)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (see above)")
+    return parser
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompt texts; an empty one, a bad line or a missing file is an error naming where."""
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise ValueError("--prompt is empty")
+        return [args.prompt]
+    if not args.prompts.is_file():
+        raise FileNotFoundError(f"{args.prompts}: no such file")
+    texts = []
+    for number, line in enumerate(args.prompts.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{args.prompts}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: not valid JSON ({err})") from None
+        text = record.get("prompt") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: expected an object with a \"prompt\" string")
+        if not text.strip():
+            raise ValueError(f"{where}: empty prompt")
+        texts.append(text)
+    if not texts:
+        raise ValueError(f"{args.prompts}: no prompts")
+    return texts
+
+
+def options_from_args(args: argparse.Namespace, eos_id: int) -> GenerationOptions:
+    return GenerationOptions(
+        max_new_tokens=args.max_new_tokens, num_steps=args.num_steps, kv_sharing=args.kv_sharing,
+        exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold, min_steps=args.min_steps,
+        check_every=args.check_every, state_init=args.state_init, temperature=args.temperature, top_p=args.top_p,
+        seed=args.seed, eos_id=eos_id, compile=args.compile,
+        iterations_per_call=args.iterations_per_call,
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Check everything, then decode; returns the report."""
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.dtype not in DTYPES:
+        raise ValueError(f"unknown --dtype {args.dtype!r}; choose from {', '.join(DTYPES)}")
+    texts = read_prompts(args)
+    model_args = read_model_args(args.model_config or args.checkpoint)
+    tokenizer = load_tokenizer(args.tokenizer or default_tokenizer_folder(args.checkpoint, args.model_config))
+    check_vocab(tokenizer, model_args.vocab_size)
+    options = options_from_args(args, tokenizer.eos_id).resolve(model_args)
+    encoded = [tokenizer.encode(text, bos=tokenizer.add_bos, eos=False) for text in texts]
+    for row in encoded:
+        check_prompts(torch.ones(1, len(row)), options.max_new_tokens, model_args.max_seq_len)
+    device = resolve_device(args.device)
+    model = load_checkpoint(args.checkpoint, args.model_config, device=device, dtype=args.dtype)
+
+    results, cache_bytes, seconds = [], 0, 0.0
+    for start in range(0, len(encoded), args.batch_size):
+        input_ids, attention_mask = left_pad(encoded[start : start + args.batch_size], tokenizer.pad_id or 0)
+        began = time.perf_counter()
+        out = generate(model, input_ids.to(device), options, attention_mask=attention_mask.to(device))
+        seconds += time.perf_counter() - began
+        cache_bytes = max(cache_bytes, out.kv_cache_bytes)
+        for tokens, steps, n in zip(out.tokens.tolist(), out.steps.tolist(), out.lengths.tolist()):
+            text = tokenizer.decode([t for t in tokens[:n] if t != tokenizer.eos_id])
+            results.append({"text": text, "tokens": tokens[:n], "steps_per_token": steps[:n],
+                            "mean_steps": sum(steps[:n]) / n})
+    for text, result in zip(texts, results):
+        result["prompt"] = text
+    n_tokens = sum(len(r["tokens"]) for r in results)
+    return {
+        "prompts": results,
+        "mean_steps": sum(sum(r["steps_per_token"]) for r in results) / n_tokens,
+        "kv_cache_bytes": cache_bytes,
+        "tokens_per_sec": n_tokens / seconds,
+        "settings": {k: v for k, v in vars(options).items() if k != "eos_id"},
+    }
+
+
+def print_report(report: dict[str, Any]) -> None:
+    for i, result in enumerate(report["prompts"]):
+        print(f"### prompt {i}: {len(result['tokens'])} tokens, {result['mean_steps']:.2f} core iterations per token")
+        print(result["prompt"] + result["text"])
+    print(f"### {report['tokens_per_sec']:.1f} tokens/s, mean {report['mean_steps']:.2f} iterations per token, "
+          f"KV cache {report['kv_cache_bytes'] / 2**20:.2f} MiB")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = run(args)
+    except (ValueError, FileNotFoundError, CheckpointError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

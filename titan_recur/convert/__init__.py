@@ -1,0 +1,1 @@
+"""From a pretrained checkpoint to a recurrent model: surgery and the layer analysis behind it."""

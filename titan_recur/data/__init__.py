@@ -1,0 +1,1 @@
+"""Tokens in: the tokenizer and the packed, resumable data loader."""

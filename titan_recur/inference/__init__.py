@@ -1,0 +1,1 @@
+"""Decoding: the generation engine (KV cache, per-token depth, exit criteria, warm start)."""

@@ -1,0 +1,1 @@
+"""Sealed folders on disk: model folders, their manifests and the training checkpoints."""

@@ -1,0 +1,1 @@
+"""The training run: recurrence sampling, the cost model, optimizers, parallelism, the trainer."""

@@ -1,0 +1,640 @@
+"""The trainer: ``[torchrun ...] python -m titan_recur.train --config FILE [--section.key value ...]``.
+
+One process or any number under torchrun; nccl on GPU, gloo on CPU. Everything a run writes goes
+under ``job.dump_folder``: checkpoints/, tb/, metrics.jsonl, config.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import signal
+import statistics
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from titan_recur.training import cost_model, preflight
+from titan_recur.storage.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    CheckpointWriteError,
+    ModelState,
+    OptimizerState,
+    RankLocalState,
+    ResumePoint,
+    TorchRNGState,
+    load_from,
+)
+from titan_recur.config import ConfigError, JobConfig, config_to_dict, grad_accum_steps, parse_args
+from titan_recur.data.loader import DataError, build_dataloader, check_data_config
+from titan_recur.training.fingerprint import check_unchanged, run_fingerprint
+from titan_recur.training.metrics import MetricsLogger, import_wandb
+from titan_recur.models.args import ModelArgs
+from titan_recur.storage.model_io import (
+    load_state_dict_into,
+    read_weights,
+    resolve_model_args,
+    write_atomically,
+    write_model_folder,
+)
+from titan_recur.models.loss import count_labels
+from titan_recur.models.model import RecurrentLM
+from titan_recur.training.optim import build_optimizers, clip_coefficient, grad_square_sum, scale_grads_
+from titan_recur.training.parallelize import (
+    build_dp_mesh,
+    dp_mesh_shape,
+    forward_autocast,
+    mixed_precision_policy,
+    parallelize_model,
+)
+from titan_recur.training.recurrence import RecurrenceSchedule
+from titan_recur.data.tokenizer import check_vocab, load_tokenizer
+from titan_recur.training.validation import Validator
+from titan_recur.training.watchdog import EXIT_STALLED, StepWatchdog, heartbeat_store
+
+# Exit codes (docs/checkpointing.md). After SIGTERM/SIGUSR1 with the checkpoint written: Slurm scripts
+# requeue on it.
+EXIT_PREEMPTED = 42
+# Training stopped on a non-finite (or spiking) loss or grad norm (the last checkpoint is the last good state).
+EXIT_NONFINITE = 3
+# Bad input: config, data, or a checkpoint that cannot be used. Nothing was written to the checkpoints.
+EXIT_BAD_INPUT = 2
+# An I/O failure (disk full, ...) while running; the checkpoints written before are intact.
+EXIT_IO_FAILURE = 1
+# A step did not finish in time (training.step_timeout_s) or a collective timed out / lost a rank:
+# EXIT_STALLED, from titan_recur.training.watchdog.
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_distributed(self) -> bool:
+        return dist.is_initialized()
+
+
+def init_distributed(device_choice: str, timeout_s: float) -> DistInfo:
+    """Join the process group when launched by torchrun; nccl on GPU, gloo on CPU; collectives time out."""
+    if device_choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device = 'cuda' but CUDA is not available (use 'auto' or 'cpu')")
+    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None,
+                                timeout=timedelta(seconds=timeout_s))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+class PreemptionFlag:
+    """Set by SIGTERM/SIGUSR1 on this rank; ``agreed`` (any rank got one) travels with each step's reduction."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.agreed = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite or spiking loss stopped the run; nothing of the bad step was saved."""
+
+
+class Trainer:
+    """Builds everything from the config (checking inputs first), then runs the loop."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg = cfg
+        self.dist = init_distributed(cfg.training.device, cfg.parallel.timeout_s)
+        self.dump = Path(cfg.job.dump_folder)
+        check_output_folders(self.dump, cfg)
+        self.model_args = resolve_model_args(cfg.model)
+        check_seq_len(cfg.training.seq_len, self.model_args)
+        self.tokenizer = self._load_tokenizer()
+        self.dp_world = self.dist.world_size
+        dp_mesh_shape(self.dp_world, cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
+        self.grad_accum = grad_accum_steps(cfg.training, self.dp_world)
+        check_data_config(cfg.data, self.tokenizer, cfg.training.seq_len, validation=cfg.validation.enable)
+        if cfg.metrics.enable_wandb:
+            import_wandb()  # a missing wandb is one line before any work
+        torch.manual_seed(cfg.job.seed + self.dist.rank)
+        if cfg.job.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.mesh = None
+        if self.dist.is_distributed:
+            self.mesh = build_dp_mesh(
+                self.dist.device.type, self.dist.world_size, cfg.parallel.dp_replicate, cfg.parallel.dp_shard
+            )
+        self.model = self._build_model()
+        self.optimizers = build_optimizers(self.model, cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.schedule = RecurrenceSchedule.from_config(cfg.recurrence, cfg.training.steps)
+        self.dataloader = build_dataloader(
+            cfg.data,
+            self.tokenizer,
+            seq_len=cfg.training.seq_len,
+            local_batch_size=cfg.training.local_batch_size,
+            rows_per_step=cfg.training.local_batch_size * self.grad_accum,
+            dp_rank=self.dist.rank,
+            dp_world=self.dp_world,
+            seed=cfg.job.seed,
+        )
+        self.validator = Validator(cfg, self.tokenizer, self.dist.rank, self.dp_world, self.dist.device)
+        self.step = 0
+        self.progress = TrainProgress()
+        global_batch = cfg.training.local_batch_size * self.dp_world * self.grad_accum
+        self.fingerprint = run_fingerprint(cfg, self.model_args, self.tokenizer_folder(), global_batch)
+        self.checkpointer = self._build_checkpointer()
+        self.metrics = MetricsLogger(  # opens its files only in train(), once the inputs are checked
+            self.dump,
+            enabled=self.dist.rank == 0,
+            tensorboard=cfg.metrics.enable_tensorboard,
+            jsonl=cfg.metrics.jsonl,
+            peak_flops=cost_model.peak_flops(override=cfg.metrics.peak_flops),
+            total_steps=cfg.training.steps,
+            wandb=cfg.metrics if cfg.metrics.enable_wandb else None,
+            run_config=config_to_dict(cfg),
+        )
+        self.preemption = PreemptionFlag()
+        self.async_save_written = False  # every rank's background save has finished (agreed each step)
+        self.training = False  # the loop has started: failures from now on name the step and last checkpoint
+        self.watchdog = StepWatchdog(cfg.training.step_timeout_s, self.dist.rank, self.dist.world_size)
+
+    def _load_tokenizer(self):
+        folder = self.tokenizer_folder()
+        if folder is None:
+            raise ConfigError("set data.tokenizer (a folder with tokenizer files) when training from model.preset or from scratch")
+        tokenizer = load_tokenizer(folder)
+        check_vocab(tokenizer, self.model_args.vocab_size)
+        if self.cfg.model.dim is not None:  # from scratch: the special tokens are the tokenizer's
+            self.model_args = dataclasses.replace(
+                self.model_args, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id
+            )
+        return tokenizer
+
+    def _build_model(self) -> RecurrentLM:
+        """Meta-device build, parallelize, materialise, then load the converted weights or init."""
+        t = self.cfg.training
+        with torch.device("meta"):
+            model = RecurrentLM(self.model_args)
+        mp_policy = mixed_precision_policy(
+            self.dist.device.type, t.mixed_precision_param, t.mixed_precision_reduce, t.mixed_precision_mode
+        )
+        parallelize_model(model, self.mesh, ac_mode=t.ac_mode, compile_blocks=t.compile, mp_policy=mp_policy)
+        model.to_empty(device=self.dist.device)
+        load_initial_weights(model, self.cfg, self.model_args)
+        return model.train()
+
+    def _build_checkpointer(self) -> CheckpointManager:
+        states = {"model": ModelState(self.model), "train": self.progress, "schedulers": self.optimizers}
+        for i, optimizer in enumerate(self.optimizers.optimizers):
+            states[f"optimizer_{i}"] = OptimizerState(self.model, optimizer)
+        rank = self.dist.rank
+        states["dataloader"] = RankLocalState(f"rank_{rank}", self.dataloader)
+        states["rng"] = RankLocalState(f"rank_{rank}", TorchRNGState())
+        c = self.cfg.checkpoint
+        return CheckpointManager(
+            self.dump / c.folder, states, interval=c.interval, keep_latest_k=c.keep_latest_k, async_mode=c.async_mode,
+            fingerprint=self.fingerprint, timeout_s=self.cfg.parallel.timeout_s,
+        )
+
+    # ----------------------------------------------------------------------------------------- loop
+
+    def resume(self) -> None:
+        """Continue from this run's latest verified checkpoint (or checkpoint.load_step); else initial_load_path.
+
+        The checkpoint's files must match its manifest and its run settings this run's (fingerprint).
+        After a rewind the later steps are set aside, so this run's lineage continues from the step.
+        """
+        c = self.cfg.checkpoint
+        point = None
+        if c.enable:
+            point = self.checkpointer.choose_resume(
+                c.load_step, verify=c.verify, fallback_on_corruption=c.fallback_on_corruption
+            )
+        if point is None:
+            if c.initial_load_path:
+                load_from(Path(c.initial_load_path), {"model": ModelState(self.model)}, verify=c.verify)
+                self._log(f"initialised the model from {c.initial_load_path} (model only)")
+            elif c.enable:
+                self._log(f"no checkpoint in {self.checkpointer.folder}: starting at step 0")
+            return
+        step, folder = point.step, self.checkpointer.step_folder(point.step)
+        changed = self._check_fingerprint(point)
+        saved_world = self.checkpointer.saved_world_size(step)
+        if saved_world == self.dist.world_size:
+            self.checkpointer.load(step)
+        else:
+            self._resume_resharded(step, saved_world)
+        self.step = self.progress.step
+        allowed = f"; allowed changes: {', '.join(changed)}" if changed else ""
+        self._log(f"resumed from {folder} at step {self.step}: {point.reason}{allowed}")
+        moved = self.checkpointer.set_aside(point.set_aside, point.set_aside_as)
+        if moved is not None:
+            rerun = " (drop --checkpoint.load_step when rerunning or requeuing, or each rerun rewinds again)"
+            self._log(f"moved the later checkpoints {point.set_aside} to {moved}: kept, never resumed automatically"
+                      + (rerun if c.load_step >= 0 else ""))
+
+    def _check_fingerprint(self, point: ResumePoint) -> list[str]:
+        """The allowed changes of settings since the checkpoint; any other change is refused."""
+        folder = self.checkpointer.step_folder(point.step)
+        if point.manifest is None:
+            self._log(f"warning: {folder} has no manifest: its files and run settings are not checked")
+            return []
+        saved = point.manifest.get("fingerprint", {})
+        return check_unchanged(saved, self.fingerprint, self.cfg.checkpoint.allow_changes, str(folder))
+
+    def _resume_resharded(self, step: int, saved_world: int) -> None:
+        """Another world size: model, optimizers, schedules and progress reshard; the data position cannot.
+
+        With data.reshard = "restart" every rank hands the old data state of rank ``rank % saved_world``
+        to its loader, which sees the new geometry and restarts its streams at a new epoch from ``step``
+        (data.py); the RNG keeps this run's per-rank seed.
+        """
+        folder = self.checkpointer.step_folder(step)
+        if self.cfg.data.reshard != "restart":
+            raise CheckpointError(
+                f"{folder} was written by {saved_world} ranks, this run has {self.dist.world_size}: model and "
+                f"optimizer reshard but the data position cannot; set data.reshard = 'restart' "
+                f"(--data.reshard restart) to restart the data streams at a new epoch from step {step}"
+            )
+        self.checkpointer.load(step, names=[n for n in self.checkpointer.states if n not in ("dataloader", "rng")])
+        source = RankLocalState(f"rank_{self.dist.rank % saved_world}", self.dataloader)
+        load_from(folder, {"dataloader": source})
+        self._log(f"resharded {folder} from {saved_world} to {self.dist.world_size} ranks; data streams restarted")
+
+    def train(self) -> int:
+        self.resume()
+        self._write_run_config()
+        self.metrics.open()
+        self._print_plan()
+        steps = self.cfg.training.steps
+        with torch.random.fork_rng(devices=[]):  # iter() draws a seed: keep the restored RNG for bit-exact resume
+            data_iter = iter(self.dataloader)
+        self.watchdog.start(heartbeat_store())
+        self.training = True
+        while self.step < steps:
+            self.step += 1
+            self.watchdog.step_started(self.step)
+            record = self.train_step(data_iter)
+            if record is not None and (self.step % self.cfg.metrics.log_freq == 0 or self.step == steps):
+                self.metrics.log_window(record, self.dist.device)
+            if self.validator.due(self.step, steps):
+                self._validate()
+            if self._step_boundary():
+                return EXIT_PREEMPTED
+            self.watchdog.step_finished(self.step)
+        self.checkpointer.wait()
+        if self.cfg.checkpoint.export_final:
+            export_model(self.model, self.model_args, self.dump / "final_model", self.tokenizer_folder())
+        self.metrics.close()
+        return 0
+
+    def train_step(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> dict | None:
+        """One optimizer step over grad_accum micro-steps, each with its own sampled (n, k).
+
+        Returns the step's record, or None when a non-finite step was skipped. The micro-steps issue
+        no collective and no host sync; the step's scalars travel in one all-reduce afterwards.
+        """
+        loss_sum = torch.zeros((), device=self.dist.device)
+        labels = torch.zeros((), device=self.dist.device)
+        tokens, step_flops = 0, 0.0
+        for micro_step in range(self.grad_accum):
+            batch = next(data_iter)
+            n, k = self.schedule.sample(self.step, micro_step)
+            micro_loss, micro_labels = self.forward_backward(batch, n, k)
+            loss_sum += micro_loss
+            labels += micro_labels
+            tokens += batch["input_ids"].numel()
+            per_token = cost_model.training_flops_per_token(self.model_args, (n, k), batch["input_ids"].shape[1])
+            step_flops += per_token.total * batch["input_ids"].numel()
+        result = self.optimizer_step(loss_sum, labels)
+        if result is None:
+            return None
+        loss, grad_norm, lrs = result
+        self.progress.step = self.step
+        self.progress.tokens_seen += tokens * self.dp_world
+        self.metrics.window.add(tokens, step_flops, loss)
+        return {
+            "step": self.step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": next(iter(lrs.values())),
+            **{f"lr_{name}": lr for name, lr in lrs.items()},
+            "mean_recurrence": self.schedule.mean(self.step),
+            "backprop_depth": self.schedule.backprop_depth(self.step),
+            "n": n,
+            "k": k,
+            "tokens_seen": self.progress.tokens_seen,
+        }
+
+    def forward_backward(self, batch: dict[str, torch.Tensor], n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward with n no-grad and k grad iterations, backward of the summed token loss.
+
+        Returns (loss sum, label count) as device scalars. Gradients are of the sum; `optimizer_step`
+        rescales them once the global label count is known.
+        """
+        t = self.cfg.training
+        input_ids = batch["input_ids"].to(self.dist.device, non_blocking=True)
+        labels = batch["labels"].to(self.dist.device, non_blocking=True)
+        with forward_autocast(self.dist.device.type, t.mixed_precision_param, t.mixed_precision_mode):
+            loss_sum = self.model(input_ids, (n, k), labels=labels, loss_chunk_tokens=t.loss_chunk_tokens)
+        if self.step == t.inject_nan_at_step:
+            loss_sum = loss_sum * float("nan")
+        if self.step == t.inject_spike_at_step:
+            loss_sum = loss_sum * 1000
+        loss_sum.backward()
+        return loss_sum.detach(), count_labels(labels)
+
+    def optimizer_step(
+        self, loss_sum: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[float, float, dict[str, float]] | None:
+        """Reduce the step's scalars, turn summed gradients into the global mean, clip, check, step.
+
+        One all-reduce carries this rank's loss sum, label count, squared gradient norm and two
+        step-boundary flags (a preemption signal arrived; its background checkpoint write finished).
+        FSDP averaged the gradient sums over ranks, so dp / labels makes them the exact mean over
+        every label of the global batch. Returns (loss, grad norm, lrs), or None when the step was
+        skipped (non-finite, or a loss spike).
+        """
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        local = torch.stack([
+            loss_sum.float(),
+            labels.float(),
+            grad_square_sum(params) / self.cfg.parallel.dp_replicate,
+            torch.full((), float(self.preemption.requested), device=self.dist.device),  # a fill, not a copy: no sync
+            torch.full((), float(self.checkpointer.write_finished()), device=self.dist.device),
+        ])
+        if dist.is_initialized():
+            dist.all_reduce(local)
+        total_loss, total_labels, square_sum, preempted, written = local.tolist()
+        self.preemption.agreed = preempted > 0
+        self.async_save_written = written == self.dist.world_size
+        grad_scale = self.dp_world / total_labels
+        loss, grad_norm = total_loss / total_labels, math.sqrt(square_sum) * grad_scale
+        problem = self._bad_step(loss, grad_norm)
+        if problem:
+            self.optimizers.zero_grad()
+            self._handle_bad_step(problem)
+            return None
+        scale_grads_(params, grad_scale * clip_coefficient(grad_norm, self.cfg.training.max_norm))
+        lrs = self.optimizers.current_lrs()
+        self.optimizers.step()
+        self.optimizers.step_schedulers()
+        self.optimizers.zero_grad()
+        self.progress.record_loss(loss, self.cfg.training.loss_spike_window)
+        return loss, grad_norm, lrs
+
+    def _bad_step(self, loss: float, grad_norm: float) -> str | None:
+        """Why this step must not be applied: a non-finite loss or grad norm, or a loss spike; else None."""
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            return f"non-finite loss {loss} or grad norm {grad_norm} at step {self.step}"
+        t, window = self.cfg.training, self.progress.recent_losses
+        if t.loss_spike_factor and len(window) == t.loss_spike_window:
+            median = statistics.median(window)
+            if loss > t.loss_spike_factor * median:
+                return (f"loss spike {loss:.4g} > {t.loss_spike_factor:g} x {median:.4g} (the median of the last "
+                        f"{len(window)} steps, training.loss_spike_factor) at step {self.step}")
+        return None
+
+    def _validate(self) -> None:
+        self.metrics.log_validation(self.step, self.validator.run(self.model))
+
+    def _print_plan(self) -> None:
+        """The start-up banner: the plan `--check` prints, for this world size and device."""
+        if self.dist.rank == 0:
+            lines = preflight.plan_lines(self.cfg, self.model_args, self.dist.world_size,
+                                         device_type=self.dist.device.type)
+            for line in lines:
+                self._log(f"plan: {line}")
+
+    def _step_boundary(self) -> bool:
+        """Complete a finished background save; checkpoint when due or on a preemption signal (True: exit)."""
+        c, steps = self.cfg.checkpoint, self.cfg.training.steps
+        if self.async_save_written:
+            self.checkpointer.wait()
+        preempted = self.preemption.agreed
+        if c.enable and (preempted or self.checkpointer.should_save(self.step, steps)):
+            self.checkpointer.save(self.step)
+        if not preempted:
+            return False
+        self.checkpointer.wait()
+        saved = f"checkpoint {self.checkpointer.step_folder(self.step)} written" if c.enable else "checkpoints disabled"
+        self._log(f"preemption signal at step {self.step}: {saved}; exiting with {EXIT_PREEMPTED}")
+        return True
+
+    def _handle_bad_step(self, message: str) -> None:
+        self.progress.skipped_steps += 1
+        stop = None
+        if not self.cfg.training.skip_nonfinite:
+            stop = "stopping (training.skip_nonfinite = false)"
+        elif self.progress.skipped_steps > self.cfg.training.max_skipped_steps:
+            stop = f"stopping: {self.progress.skipped_steps} steps skipped > training.max_skipped_steps"
+        if stop:
+            self.checkpointer.wait()  # an in-flight save holds the last good state: complete it
+            latest = self.checkpointer.latest_step()
+            last_good = "none" if latest is None else self.checkpointer.step_folder(latest)
+            raise NonFiniteError(f"{message}; {stop}; nothing of this state is saved (latest good checkpoint: {last_good})")
+        self._log(f"{message}; step skipped ({self.progress.skipped_steps} so far)")
+        self.progress.step = self.step
+
+    def _log(self, message: str) -> None:
+        if self.dist.rank == 0:
+            print(f"[titan_recur] {message}", flush=True)
+
+    def _write_run_config(self) -> None:
+        """The resolved config beside the run's outputs (and on the console with job.print_config)."""
+        if self.dist.rank == 0:
+            text = json.dumps(config_to_dict(self.cfg), indent=2) + "\n"
+            self.dump.mkdir(parents=True, exist_ok=True)
+            tmp = self.dump / "config.json.tmp"  # a failed write (disk full) leaves the previous config.json
+            try:
+                tmp.write_text(text)
+                tmp.replace(self.dump / "config.json")
+            finally:
+                tmp.unlink(missing_ok=True)
+            if self.cfg.job.print_config:
+                print(text, end="", flush=True)
+
+    def tokenizer_folder(self) -> str | None:
+        return preflight.tokenizer_folder(self.cfg)
+
+    def close(self) -> None:
+        self.watchdog.stop()
+        self.metrics.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TrainProgress:
+    """Step counters, and the recent losses the spike guard compares with, saved in every checkpoint."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.tokens_seen = 0
+        self.skipped_steps = 0
+        self.recent_losses: list[float] = []
+
+    def record_loss(self, loss: float, window: int) -> None:
+        self.recent_losses = (self.recent_losses + [loss])[-window:]
+
+    def state_dict(self) -> dict:
+        # The losses as one JSON string: DCP would load a list only up to the length of the template's.
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
+                "recent_losses": json.dumps(self.recent_losses)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.recent_losses = json.loads(state["recent_losses"])
+
+
+def load_initial_weights(model: RecurrentLM, cfg: JobConfig, args: ModelArgs) -> None:
+    """Rank 0 reads (or randomly initialises) the full weights and broadcasts them into the shards.
+
+    Building the full state on one rank makes the start identical for every world size.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    full_state: dict[str, torch.Tensor] = {}
+    if is_rank0:
+        full_state = initial_full_state(cfg, args)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=True)
+    set_model_state_dict(model, full_state, options=options)
+
+
+def initial_full_state(cfg: JobConfig, args: ModelArgs) -> dict[str, torch.Tensor]:
+    source = RecurrentLM(args)
+    if cfg.model.init == "random" or not cfg.model.path:
+        torch.manual_seed(cfg.job.seed)
+        source.init_weights()
+    else:
+        load_state_dict_into(source, read_weights(cfg.model.path), cfg.model.path)
+    return source.state_dict()
+
+
+def export_model(model: RecurrentLM, args: ModelArgs, folder: Path, tokenizer_folder: str | None) -> None:
+    """Model-only export of the trained weights as a model folder (load_model reads it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    write_atomically(folder, lambda tmp: write_model_folder(tmp, args, state, tokenizer_folder), kind="trained")
+    print(f"[titan_recur] exported final model to {folder}", flush=True)
+
+
+def check_output_folders(dump: Path, cfg: JobConfig) -> None:
+    """The dump and checkpoint folders must be folders (or not exist yet)."""
+    for path in (dump, dump / cfg.checkpoint.folder):
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{path} exists and is not a folder (job.dump_folder, checkpoint.folder)")
+
+
+def check_seq_len(seq_len: int, args: ModelArgs) -> None:
+    if seq_len > args.max_seq_len:
+        raise ConfigError(f"training.seq_len {seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
+
+
+# Bad input found before training (exit 2); FileNotFoundError before its parent OSError (exit 1).
+_BAD_INPUT = (ConfigError, CheckpointError, FileNotFoundError, NotADirectoryError, ValueError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train; every failure the user can act on is one line on stderr (prefixed by the rank when several)."""
+    try:
+        check, argv = preflight.split_check_args(sys.argv[1:] if argv is None else argv)
+        cfg = parse_args(argv)
+    except ConfigError as err:  # the same command line on every rank: said once
+        if int(os.environ.get("RANK", 0)) == 0:
+            report_error(str(err))
+        return EXIT_BAD_INPUT
+    if check is not None:
+        return preflight.main_check(cfg, check)
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        return trainer.train()
+    except Exception as err:
+        code = exit_code(err, training=trainer is not None and trainer.training)
+        if code is None:  # a bug: its traceback
+            raise
+        report_error(describe_failure(err, code, trainer, cfg))
+        return code
+    finally:
+        if trainer is not None:
+            trainer.close()
+
+
+def exit_code(err: Exception, training: bool) -> int | None:
+    """The exit code of a failure the user can act on (docs/checkpointing.md); None for a bug.
+
+    Before training, any ValueError is bad input; once the loop runs, only data and checkpoint errors are.
+    """
+    if isinstance(err, NonFiniteError):
+        return EXIT_NONFINITE
+    if isinstance(err, CheckpointWriteError):
+        return EXIT_IO_FAILURE
+    if isinstance(err, (CheckpointError, DataError)) or (not training and isinstance(err, _BAD_INPUT)):
+        return EXIT_BAD_INPUT
+    if isinstance(err, OSError):
+        return EXIT_IO_FAILURE
+    if isinstance(err, RuntimeError) and _is_collective_failure(err):
+        return EXIT_STALLED
+    return None
+
+
+def describe_failure(err: Exception, code: int, trainer: Trainer | None, cfg: JobConfig) -> str:
+    """The error line: where it happened (the step, the latest checkpoint) when the loop was running."""
+    training = trainer is not None and trainer.training
+    where = f"at step {trainer.step}" if training else "before training"
+    latest = trainer.checkpointer.latest_step() if training else None
+    last_good = "" if not training else (
+        f"; latest complete checkpoint: {'none' if latest is None else trainer.checkpointer.step_folder(latest)}")
+    if code == EXIT_STALLED:
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip()).splitlines()[0]  # gloo's source location
+        return (f"a collective failed {where}: {reason} (parallel.timeout_s = {cfg.parallel.timeout_s:g}): another "
+                f"rank stopped, crashed or hung; exiting with {EXIT_STALLED}")
+    if isinstance(err, (NonFiniteError, CheckpointWriteError)):
+        return str(err)
+    if code == EXIT_IO_FAILURE:
+        return f"I/O failure {where}: {err}{last_good}"
+    return f"{where}: {err}{last_good}" if training else str(err)
+
+
+def report_error(message: str) -> None:
+    """One line on stderr in one write (so the lines of several ranks never interleave)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    prefix = f"[rank {os.environ.get('RANK', 0)}] " if world > 1 else ""
+    sys.stdout.flush()
+    sys.stderr.write(f"{prefix}error: {' '.join(message.split())}\n")
+    sys.stderr.flush()
+
+
+def _is_collective_failure(err: RuntimeError) -> bool:
+    """A timeout or a lost peer in gloo/NCCL (not a bug in the training code)."""
+    text = str(err)
+    return isinstance(err, dist.DistError) or any(
+        marker in text for marker in ("Timed out", "Connection closed by peer", "Connection reset by peer")
+    )
+

@@ -1,0 +1,1 @@
+"""Small helpers every layer may use: shipped project folders, progress bars, plots."""
