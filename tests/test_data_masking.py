@@ -92,7 +92,8 @@ def tiny_config(tmp_path: Path, data_path: str, steps: int, **overrides: str) ->
 def test_masked_loss_equals_a_hand_computation(tmp_path):
     """The loss the trainer logs at step 1 (initial weights) is the mean CE over the completion tokens and EOS."""
     from titan_recur.storage.model_io import architecture_args
-    from titan_recur.training.trainer import initial_full_state, main
+    from titan_recur.training.build import initial_full_state
+    from titan_recur.training.trainer import main
     from titan_recur.models.model import RecurrentLM
 
     path = write_records(tmp_path / "qa.jsonl", RECORDS, 6)

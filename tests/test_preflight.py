@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from titan_recur.data import loader
-from titan_recur.training import preflight
+from titan_recur.training import cost_model, preflight
+from titan_recur.training.optim import split_params_for_muon
 from titan_recur.config import load_config
 from titan_recur.models.args import PRESETS, ModelArgs
 from titan_recur.storage.model_io import resolve_model_args, write_model_args
@@ -186,7 +187,7 @@ def test_block_saved_bytes_match_saved_tensor_hooks(block_type, kv_heads, dtype)
     args = ModelArgs(vocab_size=64, dim=96, n_heads=4, n_kv_heads=kv_heads, head_dim=24, ffn_dim=160,
                      n_prelude=1, n_core=1, n_coda=1, block_type=block_type)
     c = 4 if dtype == torch.float32 else 2
-    assert preflight.block_saved_bytes(args, c) == pytest.approx(saved_bytes_per_token(args, dtype), rel=0.005)
+    assert cost_model.block_saved_bytes(args, c) == pytest.approx(saved_bytes_per_token(args, dtype), rel=0.005)
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +226,7 @@ def test_memory_estimate_within_25_percent_of_live_tensors(bench, ac_mode, optim
     cfg = load_config(DEBUG_CONFIG, ["--training.device", "cpu", "--training.ac_mode", ac_mode,
                                      "--optimizer.name", optimizer, *model])
     measured = bench.measure_tensors(cfg)
-    estimate = preflight.memory_estimate(cfg, resolve_model_args(cfg.model), 1, "cpu")
+    estimate = cost_model.memory_estimate(cfg, resolve_model_args(cfg.model), 1, "cpu")
     assert 0.75 < estimate.total / measured < 1.25, (estimate, measured)
 
 
@@ -233,13 +234,16 @@ def test_memory_estimate_shards_model_state():
     """Per GPU: fp32 master weights and grads over dp_shard, Muon 1 and AdamW 2 states, gathered units."""
     cfg = load_config(str(CONFIGS / "llama3_2_1b.toml"), ["--model.path", "none", "--model.init", "random"])
     args = PRESETS["llama3.2-1b"].model_args(4, 6, 4)
-    numel = preflight.parameter_numels(args)
-    assert numel["muon"] + numel["adamw"] == numel["total"]
-    assert numel["adamw"] == 2 * 128_256 * 2048 + (2 * 14 + 1) * 2048  # embedding, head, norms
-    one, many = (preflight.memory_estimate(cfg, args, w) for w in (1, 64))
-    assert one.weights == 4 * numel["total"] and many.weights == one.weights / 64
-    assert many.optimizer == 4 * (numel["muon"] + 2 * numel["adamw"]) / 64
-    assert one.gathered == 0 and many.gathered > 2 * 2 * numel["core"]
+    with torch.device("meta"):
+        model = RecurrentLM(args)
+    muon, adamw = (sum(p.numel() for _, p in group) for group in split_params_for_muon(model))
+    total = sum(p.numel() for p in model.parameters())
+    assert cost_model.muon_params(args) == muon  # the analytic split is the optimizer's
+    assert adamw == 2 * 128_256 * 2048 + (2 * 14 + 1) * 2048  # embedding, head, norms
+    one, many = (cost_model.memory_estimate(cfg, args, w) for w in (1, 64))
+    assert one.weights == 4 * total and many.weights == one.weights / 64
+    assert many.optimizer == 4 * (muon + 2 * adamw) / 64
+    assert one.gathered == 0 and many.gathered > 2 * 2 * sum(p.numel() for p in model.core.parameters())
     assert many.activations == one.activations  # per micro-batch, whatever the world size
 
 

@@ -61,7 +61,8 @@ def test_from_scratch_run_equals_a_plain_pytorch_loop(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from titan_recur.storage.model_io import architecture_args
-    from titan_recur.training.trainer import initial_full_state, main
+    from titan_recur.training.build import initial_full_state
+    from titan_recur.training.trainer import main
 
     docs = [json.loads(line)["text"] for line in (REPO / "assets" / "corpus" / "general.jsonl").open()][:20]
     data = tmp_path / "docs.jsonl"

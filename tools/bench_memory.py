@@ -41,26 +41,16 @@ def build_step(cfg):
     import torch
 
     from titan_recur.data.loader import build_dataloader
-    from titan_recur.storage.model_io import load_state_dict_into, read_weights, resolve_model_args
-    from titan_recur.models.model import RecurrentLM
-    from titan_recur.training.optim import build_optimizers
-    from titan_recur.training.parallelize import forward_autocast, parallelize_model
-    from titan_recur.training.preflight import tokenizer_folder
     from titan_recur.data.tokenizer import load_tokenizer
+    from titan_recur.storage.model_io import resolve_model_args
+    from titan_recur.training.build import build_model
+    from titan_recur.training.optim import build_optimizers
+    from titan_recur.training.parallelize import forward_autocast
+    from titan_recur.training.preflight import tokenizer_folder
 
     t, r = cfg.training, cfg.recurrence
     device = torch.device("cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu")
-    args = resolve_model_args(cfg.model)
-    with torch.device("meta"):
-        model = RecurrentLM(args)
-    parallelize_model(model, None, ac_mode=t.ac_mode, compile_blocks=t.compile, mp_policy=None)
-    model.to_empty(device=device)
-    if cfg.model.init == "random" or not cfg.model.path:
-        torch.manual_seed(cfg.job.seed)
-        model.init_weights()
-    else:
-        load_state_dict_into(model, read_weights(cfg.model.path), cfg.model.path)
-    model.train()
+    model = build_model(cfg, resolve_model_args(cfg.model), device)
     optimizers = build_optimizers(model, cfg.optimizer, cfg.lr_scheduler, t.steps)
     tokenizer = load_tokenizer(tokenizer_folder(cfg))
     loader = build_dataloader(cfg.data, tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
@@ -129,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         print(measure_tensors(cfg) if ns.measure == "tensors" else measure_rss(cfg))
         return
     from titan_recur.storage.model_io import resolve_model_args
-    from titan_recur.training.preflight import memory_estimate
+    from titan_recur.training.cost_model import memory_estimate
 
     import torch
 

@@ -1,4 +1,9 @@
-"""Parameter counts, FLOPs and MFU of a depth-recurrent LM, analytically from ModelArgs (docs/method.md §4).
+"""The cost model of a depth-recurrent LM, analytically from ModelArgs and the config (docs/method.md §4).
+
+One place for what a run costs: parameter counts (and the Muon/AdamW split), the activation-
+checkpointing rule (parallelize applies it, the FLOP and memory estimates count it), the data-parallel
+mesh shape, the memory per GPU at a step's peak, and FLOPs and MFU. The trainer's metrics, the
+preflight, tools/flops.py and the benchmarks all ask this module.
 
 TorchTitan's 6 * N FLOPs/token counts each parameter once, which is wrong for a looped model. Two
 conventions are provided instead:
@@ -39,6 +44,7 @@ if TYPE_CHECKING:
     from titan_recur.config import JobConfig
 
 CONVENTIONS = ("paper", "full")
+GiB = 2**30
 DEFAULT_BACKPROP_DEPTH = 8
 
 # Dense bf16 peak FLOP/s per torch device, matched as a case-insensitive substring of
@@ -123,6 +129,49 @@ def param_counts(args: ModelArgs) -> ParamCounts:
     )
 
 
+def muon_params(args: ModelArgs) -> int:
+    """Parameters Muon trains (optim.split_params_for_muon): the blocks' 2-D weights and the adapter."""
+    blocks = args.n_prelude + args.n_core + args.n_coda
+    return blocks * _block_matmul_params(args) + (2 * args.dim * args.dim if args.is_recurrent else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation checkpointing: the one rule parallelize applies and the FLOP and memory estimates count
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """What an ac_mode wraps in activation checkpointing.
+
+    ``blocks``: every prelude and coda block. ``core``: "iteration" (A_s s and the R blocks of one
+    core iteration as one region), "block" (each core block), or None.
+    """
+
+    blocks: bool
+    core: str | None
+
+
+def checkpoint_plan(ac_mode: str) -> CheckpointPlan:
+    if ac_mode not in AC_MODES:
+        raise ValueError(f"ac_mode must be one of {AC_MODES}, got {ac_mode!r}")
+    core = {"none": None, "per_iteration": "iteration", "full": "block"}[ac_mode]
+    return CheckpointPlan(blocks=ac_mode != "none", core=core)
+
+
+def dp_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int) -> tuple[int, int]:
+    """(replicas, shards) of the data-parallel mesh; dp_shard=-1 takes the rest of the world."""
+    if dp_shard == -1:
+        if world_size % dp_replicate:
+            raise ValueError(f"world size {world_size} is not divisible by parallel.dp_replicate={dp_replicate}")
+        dp_shard = world_size // dp_replicate
+    if dp_replicate * dp_shard != world_size:
+        raise ValueError(
+            f"parallel.dp_replicate ({dp_replicate}) x parallel.dp_shard ({dp_shard}) = "
+            f"{dp_replicate * dp_shard} does not match the world size {world_size}"
+        )
+    return dp_replicate, dp_shard
+
+
 # ---------------------------------------------------------------------------------------------
 # Full convention: model FLOPs per token
 
@@ -178,8 +227,7 @@ def training_flops_per_token(
     That recompute is exact for eager checkpointing without early stop; torch's default early stop
     skips each region's final down_proj, and compiled regions recompute what the partitioner picks.
     """
-    if ac_mode not in AC_MODES:
-        raise ValueError(f"ac_mode must be one of {AC_MODES}, got {ac_mode!r}")
+    plan = checkpoint_plan(ac_mode)
     # A static model has no loop: its (n, k) is ignored.
     n, k = resolve_num_steps(num_steps, args) if args.is_recurrent else (0, 0)
     block = _block_flops(args, seq_len)
@@ -195,8 +243,8 @@ def training_flops_per_token(
     if k > 0:  # the state entering the first grad iteration carries no grad: A_s gets only its weight grad
         backward -= adapter_half
     recompute = 0.0
-    if ac_mode != "none":
-        core_recompute = iteration if ac_mode == "per_iteration" else args.n_core * block
+    if plan.blocks:
+        core_recompute = iteration if plan.core == "iteration" else args.n_core * block
         recompute = prelude_grad - injection * (k > 0) + k * core_recompute + coda
     return FlopBreakdown(forward, backward, recompute)
 
@@ -222,6 +270,139 @@ def paper_flops_per_token(args: ModelArgs, mean: int, backprop_depth: int = DEFA
     effective = counts.prelude + counts.coda + counts.final_norm
     effective += counts.core * grad_iterations + counts.core * no_grad_iterations / 3
     return 6 * effective
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory per GPU at the peak of a training step (the preflight's estimate; docs/benchmarks.md checks it)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU (per process on CPU) at the peak of a training step."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    gathered: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.gathered + self.activations
+
+    def describe(self) -> str:
+        parts = [("weights", self.weights), ("grads", self.grads), ("optimizer", self.optimizer),
+                 ("gathered units", self.gathered), ("activations", self.activations)]
+        listed = ", ".join(f"{name} {format_bytes(value)}" for name, value in parts if value)
+        return f"{format_bytes(self.total)} ({listed})"
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+def compute_bytes(cfg: JobConfig, device_type: str) -> int:
+    """Bytes per element of the activations: 2 under bf16 mixed precision, 4 in fp32 (and always on CPU
+    in "fsdp" mode, where FSDP2 casts nothing)."""
+    t = cfg.training
+    if t.mixed_precision_param == "float32" or (device_type == "cpu" and t.mixed_precision_mode == "fsdp"):
+        return 4
+    return 2
+
+
+def block_saved_bytes(args: ModelArgs, c: int) -> float:
+    """Bytes per token one transformer block saves for backward, besides its input.
+
+    Counted tensor by tensor as eager PyTorch saves them (tests/test_preflight.py checks the count
+    with saved-tensor hooks): RMSNorm keeps an fp32 copy of a low-precision input, its rsqrt and the
+    normalised fp32 product; projections keep their inputs; SDPA (flash / memory-efficient) keeps q,
+    k, v, its output and the fp32 log-sum-exp per head; SwiGLU keeps gate, up, silu(gate) and the
+    product.
+    """
+    d, f, qd, kvd, heads = args.dim, args.ffn_dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.n_heads
+    sdpa = c * (2 * qd + 2 * kvd) + 4 * heads
+    mlp = 4 * c * f
+    if args.block_type == "llama":
+        # input_layernorm on the block input: (fp32 copy if bf16) + rsqrt + normalised + output (the q/k/v input).
+        norm1 = (4 * d if c == 2 else 0) + 4 + 4 * d + c * d
+        # post_attention_layernorm on h = x + attn, a new tensor: h (or its fp32 copy) + rsqrt + normalised + output.
+        norm2 = 4 * d + 4 + 4 * d + c * d
+        return norm1 + sdpa + norm2 + mlp
+    # OLMo-2: q/k norms over the projections (fp32 input + rsqrt + normalised), post-norms on the
+    # attention and MLP outputs (their outputs are added, not saved), h saved by the MLP projections.
+    qk_norms = (4 * qd + 4 + 4 * qd) + (4 * kvd + 4 + 4 * kvd)
+    post_norms = 2 * (4 * d + 4 + 4 * d)
+    return qk_norms + sdpa + post_norms + c * d + mlp
+
+
+def loss_bytes(args: ModelArgs, tokens: int, chunk_tokens: int, c: int) -> float:
+    """Peak bytes of the head + loss in backward, beyond the hidden states the forward saved.
+
+    Chunked (models/loss.py): the input grad and an fp32 weight-grad buffer, plus per chunk the
+    recomputed logits, their softmax and grad, or the chunk's (vocab x d) weight-grad product.
+    Unchunked: the saved fp32 log-softmax over every token, its grad and the logits' grad.
+    """
+    vocab, d = args.vocab_size, args.dim
+    if chunk_tokens <= 0:
+        return vocab * tokens * (12 if c == 4 else 14)
+    t = min(chunk_tokens, tokens)
+    chunk = max(vocab * t * (8 if c == 4 else 10), c * vocab * t + vocab * d * (c if c == 4 else c + 4))
+    return c * d * tokens + 4 * vocab * d + chunk
+
+
+def activation_bytes(args: ModelArgs, cfg: JobConfig, c: int) -> float:
+    """Peak activation bytes of one micro-batch: what the forward saves plus the largest backward region.
+
+    The grad iterations are counted at their maximum, k = recurrence.backprop_depth (n costs nothing:
+    no-grad iterations save nothing).
+    """
+    t, plan = cfg.training, checkpoint_plan(cfg.training.ac_mode)
+    tokens = t.local_batch_size * t.seq_len
+    h = c * args.dim
+    block = block_saved_bytes(args, c)
+    k = min(cfg.recurrence.backprop_depth, cfg.recurrence.mean_recurrence) if args.is_recurrent else 0
+    grads = 4 * h + 3 * c * args.ffn_dim  # dY, dX and the MLP's f-sized grads of the block in backward
+    per_block = h if plan.blocks else h + block  # a checkpointed block keeps its input only
+    stem = args.n_prelude * per_block + (2 * h if args.is_recurrent else 0)  # + prelude output e, injection A_e e
+    if plan.core == "iteration":
+        iteration_saved, iteration_recompute = h, args.n_core * (h + block)
+    elif plan.core == "block":
+        iteration_saved, iteration_recompute = h + args.n_core * h, h + block
+    else:
+        iteration_saved, iteration_recompute = h + args.n_core * (h + block), 0
+    final_norm = 4 * args.dim + 4 + 4 * args.dim + h  # the coda output (or its fp32 copy), rsqrt, normalised, hidden
+    saved = stem + k * iteration_saved + args.n_coda * per_block + final_norm
+    peaks = [saved * tokens + loss_bytes(args, tokens, t.loss_chunk_tokens, c)]
+    if plan.blocks:
+        peaks.append((saved - final_norm + h + block + grads) * tokens)  # a prelude/coda block recomputed
+    if k:
+        peaks.append((stem + k * iteration_saved + iteration_recompute + grads) * tokens)
+    return max(peaks)
+
+
+def memory_estimate(cfg: JobConfig, args: ModelArgs, world_size: int, device_type: str = "cuda") -> MemoryEstimate:
+    """Tensor bytes per GPU at the step's peak (see the module docstring for what is left out)."""
+    c = compute_bytes(cfg, device_type)
+    _, shards = dp_mesh_shape(world_size, cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
+    counts = param_counts(args)
+    muon = muon_params(args) if cfg.optimizer.name == "muon" else 0
+    adamw = counts.total - muon
+    gathered = 0.0
+    if world_size > 1:
+        # Gathered in the compute dtype (fp32 under autocast): the largest FSDP unit with its unsharded
+        # grads, the unit prefetched next, and the head (or the tied embedding) kept gathered after forward.
+        g = 4 if cfg.training.mixed_precision_mode == "autocast" else c
+        block = block_params(args) if args.n_prelude + args.n_coda else 0
+        largest = counts.core + counts.adapter or max(block, counts.embedding)
+        kept = counts.head + counts.final_norm if counts.head else counts.embedding
+        gathered = g * (2 * largest + block + kept)
+    return MemoryEstimate(
+        weights=4 * counts.total / shards,
+        grads=4 * counts.total / shards,
+        optimizer=4 * (muon + 2 * adamw) / shards,
+        gathered=gathered,
+        activations=activation_bytes(args, cfg, c),
+    )
 
 
 # ---------------------------------------------------------------------------------------------

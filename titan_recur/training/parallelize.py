@@ -18,22 +18,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from titan_recur.config import AC_MODES
 from titan_recur.models.model import RecurrentLM
-
-
-def dp_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int) -> tuple[int, int]:
-    """(replicas, shards) of the data-parallel mesh; dp_shard=-1 takes the rest of the world."""
-    if dp_shard == -1:
-        if world_size % dp_replicate:
-            raise ValueError(f"world size {world_size} is not divisible by parallel.dp_replicate={dp_replicate}")
-        dp_shard = world_size // dp_replicate
-    if dp_replicate * dp_shard != world_size:
-        raise ValueError(
-            f"parallel.dp_replicate ({dp_replicate}) x parallel.dp_shard ({dp_shard}) = "
-            f"{dp_replicate * dp_shard} does not match the world size {world_size}"
-        )
-    return dp_replicate, dp_shard
+from titan_recur.training.cost_model import checkpoint_plan, dp_mesh_shape
 
 
 def build_dp_mesh(device_type: str, world_size: int, dp_replicate: int, dp_shard: int) -> DeviceMesh:
@@ -49,17 +35,14 @@ def apply_activation_checkpointing(model: RecurrentLM, mode: str) -> None:
 
     Checkpointing recomputes only what ran with grad: the no-grad iterations store nothing anyway.
     """
-    if mode not in AC_MODES:
-        raise ValueError(f"ac_mode must be one of {AC_MODES}, got {mode!r}")
-    if mode == "none":
-        return
-    stacks = [model.prelude, model.coda]
-    if model.core is not None and mode == "full":
+    plan = checkpoint_plan(mode)
+    stacks = [model.prelude, model.coda] if plan.blocks else []
+    if model.core is not None and plan.core == "block":
         stacks.append(model.core.blocks)
     for blocks in stacks:
         for i, block in enumerate(blocks):
             blocks[i] = _checkpointed(block)
-    if model.core is not None and mode == "per_iteration":
+    if model.core is not None and plan.core == "iteration":
         model.core.iteration = _checkpointed(model.core.iteration)
 
 

@@ -40,8 +40,6 @@ from titan_recur.training.fingerprint import check_unchanged, run_fingerprint
 from titan_recur.training.metrics import MetricsLogger, import_wandb
 from titan_recur.models.args import ModelArgs
 from titan_recur.storage.model_io import (
-    load_state_dict_into,
-    read_weights,
     resolve_model_args,
     write_atomically,
     write_model_folder,
@@ -49,13 +47,9 @@ from titan_recur.storage.model_io import (
 from titan_recur.models.loss import count_labels
 from titan_recur.models.model import RecurrentLM
 from titan_recur.training.optim import build_optimizers, clip_coefficient, grad_square_sum, scale_grads_
-from titan_recur.training.parallelize import (
-    build_dp_mesh,
-    dp_mesh_shape,
-    forward_autocast,
-    mixed_precision_policy,
-    parallelize_model,
-)
+from titan_recur.training.build import build_model
+from titan_recur.training.cost_model import dp_mesh_shape
+from titan_recur.training.parallelize import build_dp_mesh, forward_autocast
 from titan_recur.training.recurrence import RecurrenceSchedule
 from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 from titan_recur.training.validation import Validator
@@ -145,7 +139,7 @@ class Trainer:
             self.mesh = build_dp_mesh(
                 self.dist.device.type, self.dist.world_size, cfg.parallel.dp_replicate, cfg.parallel.dp_shard
             )
-        self.model = self._build_model()
+        self.model = build_model(cfg, self.model_args, self.dist.device, self.mesh)
         self.optimizers = build_optimizers(self.model, cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.schedule = RecurrenceSchedule.from_config(cfg.recurrence, cfg.training.steps)
         self.dataloader = build_dataloader(
@@ -190,19 +184,6 @@ class Trainer:
                 self.model_args, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id
             )
         return tokenizer
-
-    def _build_model(self) -> RecurrentLM:
-        """Meta-device build, parallelize, materialise, then load the converted weights or init."""
-        t = self.cfg.training
-        with torch.device("meta"):
-            model = RecurrentLM(self.model_args)
-        mp_policy = mixed_precision_policy(
-            self.dist.device.type, t.mixed_precision_param, t.mixed_precision_reduce, t.mixed_precision_mode
-        )
-        parallelize_model(model, self.mesh, ac_mode=t.ac_mode, compile_blocks=t.compile, mp_policy=mp_policy)
-        model.to_empty(device=self.dist.device)
-        load_initial_weights(model, self.cfg, self.model_args)
-        return model.train()
 
     def _build_checkpointer(self) -> CheckpointManager:
         states = {"model": ModelState(self.model), "train": self.progress, "schedulers": self.optimizers}
@@ -506,31 +487,6 @@ class TrainProgress:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.skipped_steps = int(state["skipped_steps"])
         self.recent_losses = json.loads(state["recent_losses"])
-
-
-def load_initial_weights(model: RecurrentLM, cfg: JobConfig, args: ModelArgs) -> None:
-    """Rank 0 reads (or randomly initialises) the full weights and broadcasts them into the shards.
-
-    Building the full state on one rank makes the start identical for every world size.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    full_state: dict[str, torch.Tensor] = {}
-    if is_rank0:
-        full_state = initial_full_state(cfg, args)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=True)
-    set_model_state_dict(model, full_state, options=options)
-
-
-def initial_full_state(cfg: JobConfig, args: ModelArgs) -> dict[str, torch.Tensor]:
-    source = RecurrentLM(args)
-    if cfg.model.init == "random" or not cfg.model.path:
-        torch.manual_seed(cfg.job.seed)
-        source.init_weights()
-    else:
-        load_state_dict_into(source, read_weights(cfg.model.path), cfg.model.path)
-    return source.state_dict()
 
 
 def export_model(model: RecurrentLM, args: ModelArgs, folder: Path, tokenizer_folder: str | None) -> None:
