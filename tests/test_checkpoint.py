@@ -431,7 +431,7 @@ def single(normal_init_model, tmp_path_factory) -> dict:
     run = ["--config", str(config), "--training.steps", "6", "--training.global_batch_size", "4",
            "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
     skip = ["--training.skip_nonfinite", "true"]
-    nan_at = ["--training.inject_nan_at_step", "5"]
+    nan_at = ["--debug.inject_nan_at_step", "5"]
     base_ckpt = d["base"] / "checkpoints"
     jobs = {
         "base": {"argv": [*run, "--job.dump_folder", str(d["base"])]},

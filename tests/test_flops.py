@@ -18,7 +18,6 @@ from titan_recur.training.cost_model import (
     TrainingRun,
     block_params,
     eval_flops_per_token,
-    matching_steps,
     mfu,
     paper_flops_per_token,
     param_counts,
@@ -46,6 +45,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def matching_steps(run: TrainingRun, steps: int, other: TrainingRun, convention: str) -> float:
+    """Steps of ``other`` that cost as many FLOPs as ``steps`` steps of ``run``."""
+    return other.steps_for_flops(run.cumulative_flops(steps, convention), convention)
 
 
 def tiny_args(**overrides) -> ModelArgs:

@@ -10,12 +10,21 @@ from titan_recur.training.recurrence import (
     Curriculum,
     RecurrenceSampler,
     RecurrenceSchedule,
-    expected_total,
     generator_seed,
-    variance_total,
 )
 
 N_DRAWS = 20_000
+
+
+def expected_total(mean: int, mean_offset: bool = True) -> float:
+    """E[n + k] of the Poisson-lognormal (the lognormal is mean-corrected: sigma does not enter)."""
+    return (mean if mean_offset else mean - 1) + 1.0
+
+
+def variance_total(mean: int, sigma: float = 0.5, mean_offset: bool = True) -> float:
+    """Var[n + k]: E[tau] + Var[tau], Var[tau] = (e^(sigma^2) - 1) E[tau]^2."""
+    tau_mean = mean if mean_offset else mean - 1
+    return tau_mean + math.expm1(sigma**2) * tau_mean**2
 
 
 def _draw_many(sampler: RecurrenceSampler, mean: int, depth: int, count: int = N_DRAWS) -> list[tuple[int, int]]:

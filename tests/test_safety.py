@@ -143,12 +143,12 @@ def runs(model, tmp_path_factory) -> dict:
         return {"argv": on(d["bad"] / name, *extra, config_file=config_file), "watch": str(d["bad"])}
 
     spike = ["--training.loss_spike_factor", "3", "--training.loss_spike_window", "3",
-             "--training.inject_spike_at_step", "6"]
+             "--debug.inject_spike_at_step", "6"]
     jobs = {
         "base": {"argv": on(d["base"]), "watch": str(base_ckpt)},
         # Rewind to step 2 with keep_latest_k 1 and stop at step 5 (as a kill there would), then rerun.
         "rewind": {"argv": on(d["rewind"], "--checkpoint.load_step", "2", "--checkpoint.keep_latest_k", "1",
-                              "--training.inject_nan_at_step", "5"),
+                              "--debug.inject_nan_at_step", "5"),
                    "copy": [str(d["base"]), str(d["rewind"])], "watch": str(d["rewind"] / "checkpoints")},
         "rewind_rerun": {"argv": on(d["rewind"], "--checkpoint.keep_latest_k", "1"),
                          "watch": str(d["rewind"] / "checkpoints")},

@@ -26,6 +26,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from titan_recur.models.args import PRESETS
+from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, DEFAULT_SEED, DEFAULT_SIGMA
 from titan_recur.utils.resources import find_config
 
 # Activation checkpointing modes of the parallelize recipe (their FLOP cost is in titan_recur.training.cost_model).
@@ -153,12 +154,6 @@ class Training:
         "End the job (exit 4) with one line when a step, with the validation and checkpoint save at its end, "
         "takes longer than this on any rank; the first step of a launch gets 3x (compilation); 0 = off.",
     )
-    inject_nan_at_step: int = opt(
-        0, "Debug: make the loss of this step NaN, to exercise the non-finite guard end to end; 0 = off."
-    )
-    inject_spike_at_step: int = opt(
-        0, "Debug: multiply the loss of this step by 1000, to exercise the loss-spike guard end to end; 0 = off."
-    )
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "'auto' = cuda when available, else cpu.")
 
 
@@ -167,14 +162,14 @@ class Recurrence:
     """Sampling of the number of core iterations per step, and truncated backprop through them."""
 
     mean_recurrence: int = opt(32, "R_max: the target mean iteration count the curriculum reaches.")
-    backprop_depth: int = opt(8, "Number of final core iterations that carry gradients.")
+    backprop_depth: int = opt(DEFAULT_BACKPROP_DEPTH, "Number of final core iterations that carry gradients.")
     curriculum: Literal["1-sqrt", "linear", "none"] = opt(
         "1-sqrt", "Shape of the ramp of the mean recurrence from start to mean_recurrence."
     )
     warmup_fraction: float = opt(0.75, "Fraction of training steps over which the mean recurrence ramps up.")
     start: int = opt(1, "Mean recurrence at step 0 of the curriculum.")
-    sigma: float = opt(0.5, "Std of the log-normal Poisson sampler of iteration counts.")
-    seed: int = opt(514229, "Seed of the iteration-count sampler (identical on every rank).")
+    sigma: float = opt(DEFAULT_SIGMA, "Std of the log-normal Poisson sampler of iteration counts.")
+    seed: int = opt(DEFAULT_SEED, "Seed of the iteration-count sampler (identical on every rank).")
     mean_offset: bool = opt(True, "Offset the sampler so that E[n + k] = r + 1, as the reference does.")
     backprop_curriculum: bool = opt(False, "Ramp backprop_depth up from backprop_start too.")
     backprop_curriculum_kind: Literal["interpolate", "linear"] = opt(
@@ -367,6 +362,14 @@ class Metrics:
 
 
 @dataclass
+class Debug:
+    """Fault injection, to exercise the trainer's guards end to end (tests and drills, not training)."""
+
+    inject_nan_at_step: int = opt(0, "Make the loss of this step NaN (the non-finite guard); 0 = off.")
+    inject_spike_at_step: int = opt(0, "Multiply the loss of this step by 1000 (the loss-spike guard); 0 = off.")
+
+
+@dataclass
 class JobConfig:
     """Everything a training run needs; one attribute per TOML section."""
 
@@ -381,6 +384,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
     metrics: Metrics = field(default_factory=Metrics)
+    debug: Debug = field(default_factory=Debug)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -678,8 +682,8 @@ _AT_LEAST = {
     "training.max_skipped_steps": 0,
     "training.loss_spike_window": 3,
     "training.step_timeout_s": 0,
-    "training.inject_nan_at_step": 0,
-    "training.inject_spike_at_step": 0,
+    "debug.inject_nan_at_step": 0,
+    "debug.inject_spike_at_step": 0,
     "training.loss_chunk_tokens": 0,
     "recurrence.start": 1,
     "recurrence.backprop_depth": 1,
@@ -811,7 +815,6 @@ def validate(cfg: JobConfig) -> None:
         "validation.enable needs data.validation_fraction > 0 or [[data.validation_sources]] (held-out "
         "documents to validate on)",
     )
-    _require(all(r >= 1 for r in cfg.validation.recurrences), "validation.recurrences must all be >= 1")
     betas = o.adamw_betas
     _require(all(0 <= b < 1 for b in betas), f"optimizer.adamw_betas must be in [0, 1), got {betas}")
     _require(

@@ -37,7 +37,7 @@ import torch
 from titan_recur.config import AC_MODES, grad_accum_steps
 from titan_recur.models.args import PRESETS, ModelArgs
 from titan_recur.storage.model_io import resolve_model_args
-from titan_recur.models.model import resolve_num_steps
+from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, resolve_num_steps
 from titan_recur.training.recurrence import RecurrenceSchedule
 
 if TYPE_CHECKING:
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 
 CONVENTIONS = ("paper", "full")
 GiB = 2**30
-DEFAULT_BACKPROP_DEPTH = 8
 
 # Dense bf16 peak FLOP/s per torch device, matched as a case-insensitive substring of
 # torch.cuda.get_device_name(); first match wins, so specific names precede general ones.
@@ -502,11 +501,6 @@ def config_training_run(cfg: JobConfig, world_size: int = 1, args: ModelArgs | N
     tokens_per_step = micro_steps * t.local_batch_size * world_size * t.seq_len
     schedule = RecurrenceSchedule.from_config(cfg.recurrence, t.steps)
     return TrainingRun(args, schedule, tokens_per_step, t.seq_len, micro_steps)
-
-
-def matching_steps(run: TrainingRun, steps: int, other: TrainingRun, convention: str) -> float:
-    """Steps of ``other`` that cost as many FLOPs as ``steps`` steps of ``run``."""
-    return other.steps_for_flops(run.cumulative_flops(steps, convention), convention)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,13 +38,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from titan_recur.models.model import DEFAULT_SEED, DEFAULT_SIGMA
+
 if TYPE_CHECKING:
     from titan_recur.config import Recurrence
 
 CURRICULUM_KINDS = ("none", "linear", "1-sqrt", "interpolate")
-# The reference seeds its sampler with 514229 + step.
-DEFAULT_SEED = 514229
-DEFAULT_SIGMA = 0.5
 # Prime seed distance between optimizer steps; micro_step stays below it, so no two
 # (step, micro_step) pairs of a run share a generator seed.
 STEP_STRIDE = 1_000_003
@@ -64,19 +63,6 @@ def _lognormal_mean(mean: int, mean_offset: bool) -> int:
     """E[tau]: ``mean`` as in the reference, or ``mean - 1`` so that E[n + k] == mean."""
     _check_positive("mean recurrence", mean)
     return mean if mean_offset else mean - 1
-
-
-def expected_total(mean: int, sigma: float = DEFAULT_SIGMA, mean_offset: bool = True) -> float:
-    """E[n + k]; sigma is only validated, since the lognormal is mean-corrected."""
-    _check_sigma(sigma)
-    return _lognormal_mean(mean, mean_offset) + 1.0
-
-
-def variance_total(mean: int, sigma: float = DEFAULT_SIGMA, mean_offset: bool = True) -> float:
-    """Var[n + k] of the Poisson-lognormal: E[tau] + Var[tau], Var[tau] = (e^(sigma^2) - 1) E[tau]^2."""
-    _check_sigma(sigma)
-    tau_mean = _lognormal_mean(mean, mean_offset)
-    return tau_mean + math.expm1(sigma**2) * tau_mean**2
 
 
 def generator_seed(seed: int, step: int, micro_step: int) -> int:

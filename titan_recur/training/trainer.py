@@ -72,7 +72,6 @@ EXIT_IO_FAILURE = 1
 class DistInfo:
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
 
     @property
@@ -94,7 +93,7 @@ def init_distributed(device_choice: str, timeout_s: float) -> DistInfo:
                                 timeout=timedelta(seconds=timeout_s))
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+    return DistInfo(rank=rank, world_size=world, device=device)
 
 
 class PreemptionFlag:
@@ -339,9 +338,9 @@ class Trainer:
         labels = batch["labels"].to(self.dist.device, non_blocking=True)
         with forward_autocast(self.dist.device.type, t.mixed_precision_param, t.mixed_precision_mode):
             loss_sum = self.model(input_ids, (n, k), labels=labels, loss_chunk_tokens=t.loss_chunk_tokens)
-        if self.step == t.inject_nan_at_step:
+        if self.step == self.cfg.debug.inject_nan_at_step:
             loss_sum = loss_sum * float("nan")
-        if self.step == t.inject_spike_at_step:
+        if self.step == self.cfg.debug.inject_spike_at_step:
             loss_sum = loss_sum * 1000
         loss_sum.backward()
         return loss_sum.detach(), count_labels(labels)
