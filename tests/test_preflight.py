@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -150,6 +152,22 @@ def test_check_reports_a_vocab_mismatch_and_each_unreachable_source(tmp_path, ca
     assert "no-such-org/no-such-dataset" in err[0].split("cannot be read: ")[1]
     assert err[1].startswith("error: data source 'gone': no file matches")
     assert not (tmp_path / "run").exists()
+
+
+def test_an_unreachable_hub_fails_fast_from_the_cache(tmp_path):
+    """Not offline, but the Hub's endpoint refuses connections: the hub source fails in one line from the
+    local cache (which lacks it), without huggingface_hub's retries (each waits seconds)."""
+    config = tmp_path / "run.toml"
+    config.write_text(f'extends = "{DEBUG_CONFIG}"\n[job]\ndump_folder = "{tmp_path / "run"}"\n'
+                      '[[data.sources]]\nname = "hub"\npath = "no-such-org/no-such-dataset"\nkind = "hf"\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf_home"))  # port 9: nothing listens
+    done = subprocess.run([sys.executable, "-m", "titan_recur.train", "--config", str(config), "--check"],
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "127.0.0.1:9 is unreachable" in errors[0] and "local cache only" in errors[0], errors
+    assert "Retrying" not in done.stderr + done.stdout
 
 
 def test_check_flags_need_check(capsys):

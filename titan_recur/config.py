@@ -654,6 +654,7 @@ def format_help(prog: str = "train") -> str:
     """Every option, grouped by section, with its doc, type and default."""
     lines = [
         f"usage: {prog} [--config FILE] [--section.key VALUE | --section.key=VALUE ...]",
+        f"       {prog} --config FILE --check [--world-size N] [--assume-mfu F] [--gpu NAME] [overrides ...]",
         "",
         "Defaults < config file < command line. Lists are comma-separated (1,2,4); 'none' sets an",
         "optional value to None; booleans take true/false/1/0/yes/no, and a bare flag means true.",
@@ -665,6 +666,12 @@ def format_help(prog: str = "train") -> str:
         "      list of files, relative to it): its tables merge over theirs, arrays replace theirs.",
         "  -h, --help",
         "      Show this help and exit.",
+        "",
+        "Preflight, before you queue: --check opens the model folder, the tokenizer and every data source,",
+        "checks the batch geometry for --world-size N ranks (default: torchrun's WORLD_SIZE, else 1) and",
+        "prints the plan (parameters, tokens, steps, training FLOPs, memory per GPU, time at --assume-mfu",
+        "F of --gpu NAME's peak, e.g. h100), then exits: 0 when every check passed, 2 otherwise. No",
+        "accelerator, process group or file write is needed.",
     ]
     for section, cls in _hints(JobConfig).items():
         lines += ["", f"[{section}] {cls.__doc__}"]

@@ -11,7 +11,9 @@ written. The trainer prints the same plan as its start-up banner.
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -117,13 +119,50 @@ def check_inputs(cfg: JobConfig, world_size: int) -> Inputs:
     _attempt(found, lambda: check_phase_weights(cfg.data))
     if found.tokenizer is None or len(found.problems) > before:
         return found
-    for source in _attempt(found, lambda: all_sources(cfg.data)) or []:
+    sources = _attempt(found, lambda: all_sources(cfg.data)) or []
+    hub = use_cache_only_if_hub_unreachable() if any(source.kind == "hf" for source in sources) else None
+    for source in sources:
         name = source.name or source.path
+        why = f" ({hub}; local cache only)" if hub and source.kind == "hf" else ""
         tokens = _attempt(found, lambda: check_source(source, found.tokenizer, cfg.training.seq_len),
                           prefix=f"data source {name!r} ({source.kind} {source.path}) cannot be read: ")
         if tokens is not None:
             found.sources.append((name, tokens))
+        elif why:
+            found.problems[-1] = found.problems[-1].replace(" cannot be read: ", f" cannot be read{why}: ", 1)
     return found
+
+
+HUB_PROBE_TIMEOUT_S = 5.0
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be reached (one TCP connect to HF_ENDPOINT), or None if it can
+    (or if HF_HUB_OFFLINE already says to use the cache)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except OSError as err:
+        return f"{url.hostname}:{port} is unreachable ({err})"
+    return None
+
+
+def use_cache_only_if_hub_unreachable() -> str | None:
+    """Without a reachable Hub, hub sources are read from the local cache only: a missing one fails in
+    seconds with one line instead of minutes of retries (huggingface_hub retries each request).
+    Returns why the Hub is unreachable, or None."""
+    reason = hub_unreachable()
+    if reason is not None:
+        import datasets.config
+        from huggingface_hub import constants
+
+        constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    return reason
 
 
 def _attempt(found: Inputs, check, prefix: str = ""):
