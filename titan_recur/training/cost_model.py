@@ -28,6 +28,7 @@ TinyLlama 4,8,4 at step 20,000 (its histogram counts the 20,000 steps completed)
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,11 +40,14 @@ from titan_recur.models.args import PRESETS, ModelArgs
 from titan_recur.storage.model_io import resolve_model_args
 from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, resolve_num_steps
 from titan_recur.training.recurrence import RecurrenceSchedule
+from titan_recur.utils.progress import progress
 
 if TYPE_CHECKING:
     from titan_recur.config import JobConfig
 
 CONVENTIONS = ("paper", "full")
+# A full-convention replay of more sampler draws than this shows a progress bar (about 5 s of draws).
+REPLAY_BAR_DRAWS = 20_000
 GiB = 2**30
 
 # Dense bf16 peak FLOP/s per torch device, matched as a case-insensitive substring of
@@ -473,7 +477,10 @@ class TrainingRun:
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         cumulative = self._cumulative[convention]
-        for step in range(len(cumulative), steps + 1):
+        todo: Iterable[int] = range(len(cumulative), steps + 1)
+        if convention == "full" and self.args.is_recurrent and len(todo) * self.micro_steps > REPLAY_BAR_DRAWS:
+            todo = progress(todo, desc=f"replaying the sampler ({self.micro_steps} draws/step)", unit="step")
+        for step in todo:
             cumulative.append(cumulative[-1] + self.step_flops(step, convention))
         return cumulative
 
