@@ -2,11 +2,11 @@
 # End-to-end CPU demo on the bundled assets: convert -> train on 2 ranks -> loss vs recurrence.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash tools/setup_env.sh
+[ "${TITAN_RECUR_SETUP:-}" = skip ] || bash tools/setup_env.sh   # skip: the suite runs this script in its .venv
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TORCHINDUCTOR_CACHE_DIR="$PWD/.cache/inductor"
 PY=.venv/bin/python
-OUT=outputs/demo
+OUT=${DEMO_OUT:-outputs/demo}
 rm -rf "$OUT"
 
 echo "== 1/3 surgery: assets/tiny_llama (8 layers) -> prelude 1, core 2, coda 1"
@@ -19,7 +19,7 @@ $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m titan_recur.trai
 
 echo "== 3/3 evaluate: held-out loss at test-time recurrence r"
 $PY -m titan_recur.eval loss --checkpoint "$OUT/run/final_model" --recurrences 1,2,4,8,16 \
-  --config train_configs/debug_model.toml --batches 8 --batch-size 8 --seq-len 64 --out "$OUT/eval"
+  --config "$OUT/run/config.json" --batches 8 --out "$OUT/eval"   # the run's config: its validation split
 
 cat <<TXT
 
