@@ -892,7 +892,7 @@ def read_config_file(path: str, _chain: tuple[str, ...] = ()) -> dict[str, Any]:
     if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
         raise ConfigError(f"{path}: extends expects a file name or a list of file names, got {parents!r}")
     config_from_dict(values, source=path)
-    chain, merged = _chain + (os.path.realpath(path),), {}
+    chain, merged = _chain + (os.path.realpath(path),), dict[str, Any]()
     for parent in parents:
         parent_path = os.path.join(os.path.dirname(path), parent)
         if os.path.realpath(parent_path) in chain:

@@ -3,7 +3,8 @@
 
 Usage: kill_save_worker.py SPEC.json RESULT.json. SPEC: {"argv": trainer args (without the dump folder),
 "root": folder, "world": 2, "kills": 10, "seed": int, "steps": int, "modes": ["disabled", "async"],
-"stalls": {NAME: {"argv": trainer args (without the dump folder), "after_step": int}}}.
+"stalls": {NAME: {"argv": trainer args (without the dump folder; "{timeout}" becomes the stall timeout),
+"after_step": int}}}.
 
 This process imports the trainer once and forks every rank of every launch from itself (gloo, CPU),
 so a launch costs a process-group start and a Trainer build, not an interpreter start. It runs one
@@ -13,8 +14,9 @@ the other up to 20 ms later) a random fraction (0-1.5) of a save duration after 
 folder of the next or second-next step appeared; after each kill it checks every complete step folder
 against its manifest; then a final launch runs to the end. The draws come from
 ``random.Random(seed)``. Each stall launch SIGSTOPs the last rank once ``after_step`` is logged and
-records how long rank 0 takes to exit. RESULT: {"reference": dump, "save_seconds": [...], MODE: {"dump",
-"kills": [{"step", "delay", "in_save", "complete"}], "final_rc"}, "stalls": {NAME: {"rc": rank 0's exit
+records how long rank 0 takes to exit; its timeouts are derived from the reference's step times on this
+machine (``stall_timeout``). RESULT: {"reference": dump, "save_seconds": [...], MODE: {"dump",
+"kills": [{"step", "delay", "in_save", "complete"}], "final_rc"}, "stall_timeout_s": int, "stalls": {NAME: {"rc": rank 0's exit
 code, "seconds": from the SIGSTOP to that exit, "log": rank 0's output}}}.
 """
 
@@ -152,6 +154,14 @@ def killed_runs(argv: list[str], world: int, steps: int, kills: int, dump: Path,
     return {"dump": str(dump), "kills": records, "final_rc": final}
 
 
+def stall_timeout(metrics: Path, save_seconds: list[float]) -> int:
+    """The stall launches' step / collective timeout: 10x the slowest step (with its save) this machine
+    just took in the reference run, at least 3 s, so a loaded machine's honest step never trips it."""
+    step_times = [json.loads(line)["step_time"] for line in metrics.read_text().splitlines() if line.endswith("}")
+                  and "step_time" in json.loads(line)]
+    return max(3, round(10 * (max(step_times, default=0.0) + max(save_seconds, default=0.0))))
+
+
 def stall_run(argv: list[str], world: int, after_step: int, dump: Path, log: Path) -> dict:
     """Freeze the last rank (SIGSTOP) once ``after_step`` is logged; rank 0's exit code and time to exit."""
     metrics = dump / "metrics.jsonl"
@@ -184,8 +194,13 @@ def main() -> None:
     for mode in spec["modes"]:
         argv = [*spec["argv"], "--checkpoint.async_mode", mode]
         result[mode] = killed_runs(argv, world, steps, spec["kills"], root / mode, save_s, rng, root)
-    result["stalls"] = {name: stall_run(stall["argv"], world, stall["after_step"], root / name, root / f"{name}.log")
-                        for name, stall in spec.get("stalls", {}).items()}
+    timeout = stall_timeout(root / "reference" / "metrics.jsonl", durations)
+    result["stall_timeout_s"] = timeout
+    result["stalls"] = {
+        name: stall_run([arg.replace("{timeout}", str(timeout)) for arg in stall["argv"]], world, stall["after_step"],
+                        root / name, root / f"{name}.log")
+        for name, stall in spec.get("stalls", {}).items()
+    }
     Path(sys.argv[2]).write_text(json.dumps(result))
 
 

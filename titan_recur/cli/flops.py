@@ -363,7 +363,7 @@ def table(setup: Setup, run: TrainingRun, other: Setup | None) -> dict:
     rows = []
     for tenth in range(11):
         step = setup.steps * tenth // 10
-        row = {"step": step, "mean": setup.schedule.mean(max(step, 1))}
+        row: dict[str, float] = {"step": step, "mean": setup.schedule.mean(max(step, 1))}
         for c in CONVENTIONS:
             row[f"{c}_flops"] = run.cumulative_flops(step, c)
         for c in CONVENTIONS:

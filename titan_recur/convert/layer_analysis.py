@@ -285,7 +285,7 @@ def rank_candidates(
         if rank <= measure:
             row.update(measure_candidate(source, weights, plan, batches, recurrences, seed))
         rows.append(row)
-    measured = sorted((r for r in rows if "loss_identity_r1" in r), key=lambda r: r["loss_identity_r1"])
+    measured = sorted((r for r in rows if "loss_identity_r1" in r), key=lambda r: float(r["loss_identity_r1"]))
     return measured + [r for r in rows if "loss_identity_r1" not in r]
 
 

@@ -270,7 +270,7 @@ def paper_flops_per_token(args: ModelArgs, mean: int, backprop_depth: int = DEFA
     counts = param_counts(args)
     grad_iterations = min(mean, backprop_depth)
     no_grad_iterations = max(mean - backprop_depth, 0)
-    effective = counts.prelude + counts.coda + counts.final_norm
+    effective: float = counts.prelude + counts.coda + counts.final_norm
     effective += counts.core * grad_iterations + counts.core * no_grad_iterations / 3
     return 6 * effective
 
@@ -367,6 +367,8 @@ def activation_bytes(args: ModelArgs, cfg: JobConfig, c: int) -> float:
     grads = 4 * h + 3 * c * args.ffn_dim  # dY, dX and the MLP's f-sized grads of the block in backward
     per_block = h if plan.blocks else h + block  # a checkpointed block keeps its input only
     stem = args.n_prelude * per_block + (2 * h if args.is_recurrent else 0)  # + prelude output e, injection A_e e
+    iteration_saved: float
+    iteration_recompute: float
     if plan.core == "iteration":
         iteration_saved, iteration_recompute = h, args.n_core * (h + block)
     elif plan.core == "block":
@@ -453,7 +455,7 @@ class TrainingRun:
         if not self.args.is_recurrent:
             return self.tokens_per_step * self._full_per_token((0, 0))
         tokens = self.tokens_per_step / self.micro_steps
-        return sum(tokens * self._full_per_token(self.schedule.sample(step, m)) for m in range(self.micro_steps))
+        return sum((tokens * self._full_per_token(self.schedule.sample(step, m)) for m in range(self.micro_steps)), 0.0)
 
     def cumulative_flops(self, steps: int, convention: str) -> float:
         """FLOPs after ``steps`` optimizer steps (steps 1..steps)."""

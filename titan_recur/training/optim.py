@@ -154,7 +154,7 @@ class Muon(torch.optim.Optimizer):
         return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch's overloads
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -192,7 +192,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def _shard_key(members: Sequence[torch.Tensor]) -> tuple[DeviceMesh, int] | None:
     """(mesh, mesh dim sharding dim 0) of FSDP2/HSDP DTensors; None when each rank holds whole matrices."""
-    keys = set()
+    keys: set[tuple[DeviceMesh, int] | None] = set()
     for p in members:
         if not isinstance(p, DTensor):
             keys.add(None)
@@ -295,7 +295,8 @@ def split_params_for_muon(model: RecurrentLM) -> tuple[NamedParams, NamedParams]
     AdamW takes embeddings, LM head, norms and biases (a tied head is the embedding).
     """
     hidden_matrices = {id(p) for _, p in model.parameters_by_role()["hidden_matrix"]}
-    muon, adamw = [], []
+    muon: NamedParams = []
+    adamw: NamedParams = []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (muon if id(p) in hidden_matrices else adamw).append((name, p))
@@ -304,7 +305,7 @@ def split_params_for_muon(model: RecurrentLM) -> tuple[NamedParams, NamedParams]
 
 def fused_matrix_groups(model: RecurrentLM) -> list[list[nn.Parameter]]:
     """[q, k, v] and [gate, up] weights of every block: the reference's fused projections."""
-    groups = []
+    groups: list[list[nn.Parameter]] = []
     for block in model.blocks():
         attn, mlp = block.self_attn, block.mlp
         groups.append([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
@@ -410,6 +411,7 @@ def build_optimizers(
         weight_decay=cfg_optimizer.adamw_weight_decay,
     )
     muon_params, adamw_params = split_params_for_muon(model)
+    optimizers: dict[str, torch.optim.Optimizer]
     if cfg_optimizer.name == "adamw":
         optimizers = {"adamw": torch.optim.AdamW(muon_params + adamw_params, **adamw_kwargs)}
     elif cfg_optimizer.name == "muon":

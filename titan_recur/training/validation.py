@@ -46,7 +46,7 @@ def validation_loss_sums(
     ``model(...)``); all-reduce the sums and counts across ranks, then ``mean_losses``.
     """
     recurrences = check_recurrences(recurrences)
-    state_init = state_init or model.args.eval_state_init
+    state_init = state_init or str(model.args.eval_state_init)
     sums = {r: torch.zeros((), dtype=torch.float64, device=device) for r in recurrences}
     tokens = 0
     for batch in batches:
