@@ -11,6 +11,10 @@ BLOCK_TYPES = ("llama", "olmo2")
 STATE_INITS = ("normal", "zero", "embed")
 ADAPTER_INITS = ("identity", "random")
 
+# The depth sampler's defaults (training/recurrence.py); the reference seeds it with 514229 + step.
+DEFAULT_SEED = 514229
+DEFAULT_SIGMA = 0.5
+
 
 @dataclass
 class ModelArgs:

@@ -23,9 +23,6 @@ NumSteps = int | tuple[int, int] | None
 # Grad-carrying iterations of a train-mode forward given a depth r rather than (n, k): the last
 # min(r, 8) of its r iterations, the trainer's default backprop depth (docs/method.md §3).
 DEFAULT_BACKPROP_DEPTH = 8
-# The depth sampler's defaults (training/recurrence.py); the reference seeds it with 514229 + step.
-DEFAULT_SEED = 514229
-DEFAULT_SIGMA = 0.5
 
 
 class CoreIteration(nn.Module):
