@@ -7,6 +7,7 @@ name the root cause.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -258,3 +259,49 @@ def test_eval_harness_checks_the_model_before_the_tasks(tmp_path, capsys):
     code = eval_main(["harness", "--model-args", f"pretrained={tmp_path / 'missing'}", "--tasks", "gsm8k_cot_recur",
                       "--out", str(tmp_path / "h")])
     one_error_line(capsys, code, str(tmp_path / "missing"), "no such checkpoint")
+
+
+# ------------------------------------------------------------------------------------ full disk
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A tiny real tmpfs (the tests run as root, here and in CI) and a function that fills it up."""
+    import subprocess
+
+    folder = tmp_path / "tmpfs"
+    folder.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True,
+                           text=True)
+    if mount.returncode != 0:
+        pytest.fail(f"the disk-full tests need to mount a tmpfs (run as root): {mount.stderr.strip()}")
+
+    def fill() -> None:
+        with open(folder / "filler", "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 16))
+            except OSError:
+                pass
+
+    try:
+        yield folder, fill
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # TensorBoard's thread traceback
+def test_metrics_close_on_a_full_disk_is_one_warning_not_a_traceback(full_disk, capsys):
+    from titan_recur.training.metrics import MetricsLogger
+
+    folder, fill = full_disk
+    metrics = MetricsLogger(folder / "dump", enabled=True, tensorboard=True, jsonl=True)
+    metrics.open()
+    fill()
+    with contextlib.suppress(OSError):  # a training step's log reports this one (an I/O failure at step N)
+        for step in range(1, 2000):
+            metrics.writer.add_scalar("loss", 1.0 / step, step)
+    metrics.close()  # raises nothing
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    assert all("warning: " in line for line in out.out.splitlines() if line.strip()), out.out
