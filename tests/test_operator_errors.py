@@ -305,3 +305,138 @@ def test_metrics_close_on_a_full_disk_is_one_warning_not_a_traceback(full_disk, 
     out = capsys.readouterr()
     assert "Traceback" not in out.out + out.err
     assert all("warning: " in line for line in out.out.splitlines() if line.strip()), out.out
+
+
+# --------------------------------------------------------------------------------- dump-folder lock
+
+HOLD = ("import sys, time; from titan_recur.storage.lock import DumpFolderLock; DumpFolderLock.acquire(sys.argv[1]); "
+        "print('held', flush=True); time.sleep(600)")
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return {**env, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), **extra}
+
+
+def start_holder(folder: Path, **env: str):
+    """A real process that takes the folder's lock and keeps it (sleeping) until killed."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True,
+                              env=subprocess_env(**env))
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def kill9(process) -> None:
+    import signal
+
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
+@pytest.fixture(scope="module")
+def train_config(tmp_path_factory) -> Path:
+    from tests.test_checkpoint import CORPUS_DATA, write_config
+    from tests.test_train_distributed import make_model_dir
+
+    root = tmp_path_factory.mktemp("lock")
+    return write_config(root / "run.toml", make_model_dir(root / "model"), CORPUS_DATA)
+
+
+def train(config: Path, dump: Path, *extra: str, wait: bool = True):
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "titan_recur.train", "--config", str(config), "--job.dump_folder", str(dump),
+            "--training.global_batch_size", "2", *extra]
+    if not wait:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    return subprocess.run(argv, capture_output=True, text=True, env=subprocess_env(), timeout=600)
+
+
+def test_a_second_run_on_a_live_runs_dump_folder_is_refused_naming_it(train_config, tmp_path):
+    """Two real trainers: the second is refused in one line naming the first; after kill -9 of the first, a
+    third takes the stale lock over and finishes."""
+    import socket
+    import time
+
+    from titan_recur.storage.lock import LOCK_NAME
+
+    dump = tmp_path / "dump"
+    first = train(train_config, dump, "--training.steps", "100000", "--checkpoint.interval", "100000",
+                  "--validation.enable", "false", wait=False)
+    try:
+        while not (dump / "metrics.jsonl").is_file() or not (dump / "metrics.jsonl").read_text():
+            assert first.poll() is None, first.communicate()
+            time.sleep(0.2)
+        second = train(train_config, dump, "--training.steps", "2")
+        lines = [line for line in second.stderr.splitlines() if line.strip()]
+        assert second.returncode == 2 and len(lines) == 1, second.stderr
+        assert f"host {socket.gethostname()}, pid {first.pid}" in lines[0] and "in use by another run" in lines[0]
+        assert lines[0].startswith("error: ")
+    finally:
+        kill9(first)
+    assert (dump / LOCK_NAME).is_file(), "kill -9 leaves the lock behind"
+    third = train(train_config, dump, "--training.steps", "2")
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"took over the stale lock {dump / LOCK_NAME}" in third.stdout and f"process {first.pid} is gone" in third.stdout
+    assert not (dump / LOCK_NAME).exists(), "released at the end"
+
+
+def test_a_requeued_slurm_job_takes_over_its_own_earlier_lock(tmp_path, monkeypatch):
+    from titan_recur.storage.lock import DumpFolderLock, DumpFolderLockedError
+
+    holder = start_holder(tmp_path, SLURM_JOB_ID="777", SLURM_RESTART_COUNT="0")
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", "778")
+        with pytest.raises(DumpFolderLockedError, match=f"pid {holder.pid}, Slurm job 777"):
+            DumpFolderLock.acquire(tmp_path)
+        # The same job id, once requeued (Slurm counts the restarts): the earlier incarnation's lock.
+        monkeypatch.setenv("SLURM_JOB_ID", "777")
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        lock = DumpFolderLock.acquire(tmp_path)
+        assert lock.holder["slurm_restart_count"] == "1"
+        lock.release()
+    finally:
+        kill9(holder)
+
+
+def test_a_lock_held_on_another_host_is_refused(tmp_path, monkeypatch):
+    from titan_recur.storage.lock import LOCK_NAME, DumpFolderLock, DumpFolderLockedError
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "node-elsewhere", "pid": 1, "since": "2026-01-01T00:00:00"}))
+    with pytest.raises(DumpFolderLockedError, match="host node-elsewhere, pid 1"):
+        DumpFolderLock.acquire(tmp_path)
+
+
+def _try_acquire(folder: str, queue, done) -> None:
+    """Report the outcome, then stay alive (a winner that exited would leave a stale lock for a late racer)."""
+    from titan_recur.storage.lock import DumpFolderLock, DumpFolderLockedError
+
+    try:
+        DumpFolderLock.acquire(folder)
+        queue.put("held")
+    except DumpFolderLockedError:
+        queue.put("refused")
+    done.wait(300)
+
+
+def test_processes_racing_for_a_stale_lock_leave_exactly_one_holder(tmp_path):
+    import multiprocessing
+
+    kill9(start_holder(tmp_path))  # a stale lock
+    context = multiprocessing.get_context("spawn")
+    queue, done = context.Queue(), context.Event()
+    racers = [context.Process(target=_try_acquire, args=(str(tmp_path), queue, done)) for _ in range(6)]
+    for racer in racers:
+        racer.start()
+    outcomes = sorted(queue.get(timeout=300) for _ in racers)
+    done.set()
+    for racer in racers:
+        racer.join()
+    assert outcomes == ["held"] + ["refused"] * 5
