@@ -20,6 +20,7 @@ from titan_recur.models.args import ModelArgs
 from titan_recur.models.blocks import AttentionContext, TransformerBlock
 from titan_recur.models.cache import KVCache
 from titan_recur.inference.engine import greedy_generate
+from titan_recur.storage.manifest import seal_folder
 from titan_recur.storage.model_io import WEIGHTS_NAME, load_model, save_model
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.models.model import RecurrentLM, resolve_num_steps
@@ -412,6 +413,7 @@ def test_load_model_names_mismatched_tensor(tmp_path):
     state = load_file(str(path))
     state["core.blocks.1.self_attn.k_proj.weight"] = torch.zeros(8, 32)
     save_file(state, str(path))
+    seal_folder(tmp_path / "m", "trained")  # consistent files (the manifest would catch a hand edit first)
     with pytest.raises(ValueError, match=re.escape("core.blocks.1.self_attn.k_proj.weight")):
         load_model(tmp_path / "m")
 
@@ -421,6 +423,7 @@ def test_load_model_names_mismatched_tensor(tmp_path):
     config = json.loads(config_path.read_text())
     config["titan_recur"]["vocab_size"] = VOCAB + 1
     config_path.write_text(json.dumps(config))
+    seal_folder(tmp_path / "n", "trained")
     with pytest.raises(ValueError, match="embed_tokens.weight"):
         load_model(tmp_path / "n")
 
@@ -430,6 +433,7 @@ def test_load_model_names_mismatched_tensor(tmp_path):
     state = load_file(str(path))
     del state["coda.0.mlp.up_proj.weight"]
     save_file(state, str(path))
+    seal_folder(tmp_path / "o", "trained")
     with pytest.raises(ValueError, match=re.escape("coda.0.mlp.up_proj.weight")):
         load_model(tmp_path / "o")
 

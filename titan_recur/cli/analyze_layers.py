@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 
 from titan_recur.convert.layer_analysis import (
+    ANGULAR_PLOT,
+    INFLUENCE_PLOT,
     JSON_NAME,
     RANDOM_RECURRENCES,
     analyze,
@@ -50,6 +52,8 @@ from titan_recur.convert.layer_analysis import (
 )
 from titan_recur.config import DATA_FORMATS
 from titan_recur.training.validation import check_recurrences
+from titan_recur.storage.model_io import check_output_files
+from titan_recur.utils.limits import check_allocation, check_recurrence_bound, check_seq_len, forward_bytes
 from titan_recur.convert.surgery import ConversionError, parse_shape, read_source, resolve_source
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -92,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random adapter, as convert_hf.py --seed")
     parser.add_argument("--top", type=int, default=5, help="candidates printed (default 5)")
     parser.add_argument("--out", type=Path, help="output folder (default outputs/layer_analysis/<source name>)")
+    parser.add_argument("--force", action="store_true", help="replace the results of an earlier analysis in --out")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="model dtype (default float32)")
     return parser
@@ -106,8 +111,38 @@ def check_counts(args: argparse.Namespace) -> None:
     if args.measure < 0:
         raise ValueError(f"--measure must be >= 0, got {args.measure}")
     check_recurrences(args.recurrences)
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        raise ValueError(f"{args.out} exists and is not a folder")
+    check_recurrence_bound(args.recurrences)
+
+
+def output_folder(args: argparse.Namespace) -> Path:
+    """--out (or its default), checked: a folder, holding no earlier results unless --force (then only ours)."""
+    out = args.out or Path("outputs") / "layer_analysis" / Path(args.source).name
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a folder")
+    check_output_files([out / name for name in (JSON_NAME, INFLUENCE_PLOT, ANGULAR_PLOT)], args.force, is_analysis_output,
+                       "a layer analysis result")
+    return out
+
+
+def is_analysis_output(path: Path) -> bool:
+    """layer_analysis.json (a report with per-layer rows and the source loss) or one of its PNG plots."""
+    try:
+        if path.suffix == ".png":
+            return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        return {"layers", "source_loss"} <= set(json.loads(path.read_text()))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+        return False
+
+
+def check_rows(seq_len: int, batch_size: int, config: dict, dtype: torch.dtype, device: torch.device) -> None:
+    """Rows fit the source's positions; a batch's forward with the source's weights fits free memory."""
+    check_seq_len(seq_len, int(config.get("max_position_embeddings", seq_len)))
+    dim, ffn, layers = int(config["hidden_size"]), int(config["intermediate_size"]), int(config["num_hidden_layers"])
+    weights = (2 * int(config["vocab_size"]) * dim + layers * (4 * dim * dim + 3 * dim * ffn)) * dtype.itemsize
+    # Every layer's hidden states are kept for the distances: one residual stream per layer on top of a forward.
+    batch = forward_bytes(batch_size, seq_len, dim, ffn, dtype.itemsize) + layers * batch_size * seq_len * dim * 4
+    check_allocation(weights + batch, device, f"a batch of {batch_size} x {seq_len} tokens with the source model",
+                     hint="lower --batch-size or --seq-len")
 
 
 def run(argv: list[str] | None = None) -> None:
@@ -134,11 +169,12 @@ def run(argv: list[str] | None = None) -> None:
     rows = math.ceil(args.tokens / seq_len)
     batch_size = min(args.batch_size, rows)
     num_batches = math.ceil(rows / batch_size)
+    check_rows(seq_len, batch_size, source.config, DTYPES[args.dtype], device)
+    out = output_folder(args)
     batches = list(heldout_batches(tokenizer, seq_len=seq_len, batch_size=batch_size, num_batches=num_batches,
                                    data=args.data, text_field=args.text_field, config=args.config,
                                    data_format=args.data_format))
     data = args.data or f"{args.config} (validation split)"
-    out = args.out or Path("outputs") / "layer_analysis" / Path(args.source).name
     out.mkdir(parents=True, exist_ok=True)  # before the work: an unwritable folder fails now
     print(f"{args.source}: {source.architecture}, {source.n_layers} layers; calibration {data}: "
           f"{num_batches} batches x {batch_size} rows x {seq_len} tokens "

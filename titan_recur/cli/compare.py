@@ -12,6 +12,7 @@ as crosses). A static run (no recurrent core) is evaluated once: r changes nothi
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -83,6 +84,20 @@ def build_parser() -> Parser:
     return p
 
 
+def check_run_folder(folder: Path) -> None:
+    """A model folder (or an HF export) given for a run: say what compare.py wants instead of a config parse error."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # read_run names the problem
+    if isinstance(config, dict) and ("architectures" in config or "titan_recur" in config):
+        raise ValueError(
+            f"{folder} is a model folder (its config.json describes a model), not a training run: compare.py wants "
+            "run folders (a trainer's job.dump_folder: config.json of the run, metrics.jsonl, checkpoints/, "
+            "final_model/); to evaluate a model folder use python -m titan_recur.eval loss/harness"
+        )
+
+
 def progress_bar(total: int):
     """A tqdm bar over models x r on a terminal; silent otherwise."""
     from tqdm import tqdm
@@ -106,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--batch-size, --max-gen-toks, --loss-batches, --loss-batch-size, --seq-len must be >= 1")
         if ns.world_size is not None and ns.world_size < 1:
             raise ValueError(f"--world-size must be >= 1, got {ns.world_size}")
+        for folder in ns.runs:
+            check_run_folder(Path(folder))
         runs = [read_run(folder, world_size=ns.world_size, label=label, checkpoints=ns.checkpoints)
                 for folder, label in zip(ns.runs, labels)]
         settings = EvalSettings(

@@ -24,10 +24,17 @@ from typing import Any, NoReturn
 import torch
 
 from titan_recur.storage.checkpoint import CheckpointError
-from titan_recur.eval.loading import add_checkpoint_arguments, default_tokenizer_folder, load_checkpoint, resolve_device
+from titan_recur.eval.loading import (
+    add_checkpoint_arguments, checkpoint_model_args, default_tokenizer_folder, load_checkpoint, resolve_device,
+)
 from titan_recur.inference.engine import GenerationOptions, check_prompts, generate, left_pad
-from titan_recur.storage.model_io import DTYPES, read_model_args
-from titan_recur.data.tokenizer import check_vocab, load_tokenizer
+from titan_recur.storage.model_io import DTYPES, TOKENIZER_FILES
+from titan_recur.data.loader import tokenizer_probe
+from titan_recur.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
+from titan_recur.models.args import ModelArgs
+from titan_recur.models.cache import core_slots_per_block
+from titan_recur.models.model import RecurrentLM
+from titan_recur.utils.limits import check_allocation, check_at_least, check_recurrence_bound, kv_cache_bytes
 
 PROG = "python -m titan_recur.generate"
 
@@ -70,16 +77,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_utf8(text: str, where: str) -> None:
+    """A command-line string whose bytes were not UTF-8 (Python keeps them as surrogates): one line, not a
+    tokenizer's TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{where} is not valid UTF-8 (an undecodable byte at character {err.start})") from None
+
+
 def read_prompts(args: argparse.Namespace) -> list[str]:
     """The prompt texts; an empty one, a bad line or a missing file is an error naming where."""
     if args.prompt is not None:
         if not args.prompt.strip():
             raise ValueError("--prompt is empty")
+        check_utf8(args.prompt, "--prompt")
         return [args.prompt]
     if not args.prompts.is_file():
         raise FileNotFoundError(f"{args.prompts}: no such file")
+    try:
+        content = args.prompts.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{args.prompts}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start})") from None
     texts = []
-    for number, line in enumerate(args.prompts.read_text().splitlines(), start=1):
+    for number, line in enumerate(content.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{args.prompts}:{number}"
@@ -98,6 +119,39 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return texts
 
 
+def check_tokenizer_matches(tokenizer: Tokenizer, given: str | None, own: Path, model_args: ModelArgs) -> None:
+    """A --tokenizer other than the model's own must mean the same ids (as training checks prepared data): the
+    same probe digest as the model folder's tokenizer, and the model's BOS/EOS ids."""
+    if given is not None and any((own / name).is_file() for name in TOKENIZER_FILES[:3]):
+        if Path(given).resolve() != own.resolve() and tokenizer_probe(tokenizer) != tokenizer_probe(load_tokenizer(own)):
+            raise ValueError(f"--tokenizer {given} is not the tokenizer of {own} (its ids mean other tokens: "
+                             f"vocab {tokenizer.vocab_size} vs {load_tokenizer(own).vocab_size}); drop --tokenizer "
+                             "to use the model's own")
+    for name in ("bos_id", "eos_id"):
+        if getattr(model_args, name) is not None and getattr(tokenizer, name) not in (None, getattr(model_args, name)):
+            raise ValueError(f"the tokenizer's {name} {getattr(tokenizer, name)} is not the model's "
+                             f"{getattr(model_args, name)}: a tokenizer of another vocabulary")
+
+
+def check_generation_memory(
+    model_args: ModelArgs, options: GenerationOptions, encoded: list[list[int]], batch_size: int,
+    dtype: torch.dtype, device: torch.device,
+) -> None:
+    """The largest batch's KV cache (and its returned logits) with the weights fit the device's free memory."""
+    rows = min(batch_size, len(encoded))
+    capacity = max(len(row) for row in encoded) + options.max_new_tokens
+    core = core_slots_per_block(options.kv_sharing, options.num_steps) * model_args.n_core
+    slots = model_args.n_prelude + model_args.n_coda + core
+    cache = kv_cache_bytes(rows, capacity, slots, model_args.n_kv_heads, model_args.head_dim, dtype.itemsize)
+    logits = rows * options.max_new_tokens * model_args.vocab_size * 4
+    with torch.device("meta"):  # shapes only, no memory
+        weights = sum(p.numel() for p in RecurrentLM(model_args).parameters()) * dtype.itemsize
+    check_allocation(cache + logits + weights, device,
+                     f"the KV cache of {rows} prompt(s) x {capacity} tokens at {options.num_steps} core iterations "
+                     f"(kv_sharing {options.kv_sharing}: {slots} attention slots) with the model",
+                     hint="lower --num-steps, --batch-size or --max-new-tokens, or use --kv-sharing latest")
+
+
 def options_from_args(args: argparse.Namespace, eos_id: int) -> GenerationOptions:
     return GenerationOptions(
         max_new_tokens=args.max_new_tokens, num_steps=args.num_steps, kv_sharing=args.kv_sharing,
@@ -110,20 +164,26 @@ def options_from_args(args: argparse.Namespace, eos_id: int) -> GenerationOption
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Check everything, then decode; returns the report."""
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_at_least(args.batch_size, "--batch-size")
+    check_at_least(args.max_new_tokens, "--max-new-tokens")
+    if args.num_steps is not None:
+        check_recurrence_bound([args.num_steps], "--num-steps")
     if args.dtype not in DTYPES:
         raise ValueError(f"unknown --dtype {args.dtype!r}; choose from {', '.join(DTYPES)}")
     texts = read_prompts(args)
-    model_args = read_model_args(args.model_config or args.checkpoint)
-    tokenizer = load_tokenizer(args.tokenizer or default_tokenizer_folder(args.checkpoint, args.model_config))
+    model_args = checkpoint_model_args(args.checkpoint, args.model_config)
+    own_tokenizer = default_tokenizer_folder(args.checkpoint, args.model_config)
+    tokenizer = load_tokenizer(args.tokenizer or own_tokenizer)
     check_vocab(tokenizer, model_args.vocab_size)
+    check_tokenizer_matches(tokenizer, args.tokenizer, own_tokenizer, model_args)
     options = options_from_args(args, tokenizer.eos_id).resolve(model_args)
     encoded = [tokenizer.encode(text, bos=tokenizer.add_bos, eos=False) for text in texts]
     for row in encoded:
         check_prompts(torch.ones(1, len(row)), options.max_new_tokens, model_args.max_seq_len)
     device = resolve_device(args.device)
-    model = load_checkpoint(args.checkpoint, args.model_config, device=device, dtype=args.dtype)
+    check_generation_memory(model_args, options, encoded, args.batch_size, DTYPES[args.dtype], device)
+    model = load_checkpoint(args.checkpoint, args.model_config, device=device, dtype=args.dtype,
+                            unverified=args.unverified)
 
     results, cache_bytes, seconds = [], 0, 0.0
     for start in range(0, len(encoded), args.batch_size):

@@ -34,15 +34,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
 from multiprocessing import Pool
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
 from titan_recur.config import DATA_FORMATS, DataSource
 from titan_recur.data.loader import (
@@ -58,6 +61,7 @@ from titan_recur.data.loader import (
     tokenizer_probe,
 )
 from titan_recur.data.tokenizer import Tokenizer, load_tokenizer
+from titan_recur.utils.limits import check_allocation, check_at_least
 
 _tokenizer: Tokenizer | None = None
 
@@ -110,15 +114,17 @@ def _write_metadata(out: Path, tokenizer_folder: str, tokens: int, documents: in
 
 
 class _Progress:
-    """tqdm when installed, else a line every 10 s."""
+    """tqdm on a terminal when installed, else (a log file) a line every 10 s."""
 
     def __init__(self) -> None:
-        try:
-            from tqdm import tqdm
+        self.bar = None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
 
-            self.bar = tqdm(unit="tok", unit_scale=True, desc="tokens", file=sys.stderr)
-        except ImportError:
-            self.bar = None
+                self.bar = tqdm(unit="tok", unit_scale=True, desc="tokens", file=sys.stderr)
+            except ImportError:
+                pass
         self.total, self.start, self.last = 0, time.perf_counter(), 0.0
 
     def update(self, n: int) -> None:
@@ -134,6 +140,31 @@ class _Progress:
             self.bar.close()
 
 
+def is_prepared_folder(folder: Path) -> bool:
+    """A folder this tool wrote: only part-NNNNN.parquet shards and (v2) its metadata.json."""
+    names = [p.name for p in folder.iterdir()]
+    return bool(names) and all(re.fullmatch(r"part-\d{5}\.parquet", n) or n == TOKENS_METADATA for n in names)
+
+
+def check_out_folder(out: Path, force: bool) -> None:
+    """--out must be empty (or not exist); with --force it may hold an earlier output of this tool, nothing else."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not force:
+        raise ValueError(f"--out {out} exists and is not empty; pass --force to replace an earlier prepare_data output")
+    if not is_prepared_folder(out):
+        raise ValueError(f"refusing to replace {out} with --force: it holds files prepare_data did not write "
+                         "(only part-NNNNN.parquet and metadata.json are its own)")
+
+
+def clear_own_output(out: Path) -> None:
+    """Remove an earlier output (checked by ``check_out_folder``), so no stale shard survives a smaller rerun."""
+    for path in out.iterdir():
+        path.unlink()
+
+
 def prepare(args: argparse.Namespace) -> None:
     kind = args.kind
     source = DataSource(
@@ -141,31 +172,39 @@ def prepare(args: argparse.Namespace) -> None:
         hf_config=args.hf_config, split=args.split, sample_by=args.sample_by, format=args.data_format,
     )
     if args.data_format != "text" and kind == "text":
-        raise SystemExit("prepare_data.py: error: --format prompt_completion needs records: --kind jsonl, parquet or hf")
+        raise ValueError("--format prompt_completion needs records: --kind jsonl, parquet or hf")
+    for name in ("chunk_tokens", "workers", "rows_per_shard", "docs_per_task", "seq_len", "max_docs"):
+        check_at_least(getattr(args, name), f"--{name.replace('_', '-')}")
     labels = args.data_format != "text"
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.glob("*.parquet")):
-        raise SystemExit(f"{out} already holds parquet files; use an empty folder")
+    check_out_folder(out, args.force)
     stream = args.seq_len is None  # v2: a flat token stream, readable at any seq_len
     row_len = args.chunk_tokens if stream else args.seq_len + 1
     shard_tokens = args.rows_per_shard * row_len
+    # A shard's ids and labels (int32) are gathered in memory before it is written.
+    check_allocation(shard_tokens * 2 * 4, torch.device("cpu"), f"a shard of {args.rows_per_shard:,} rows x {row_len:,} tokens",
+                     hint="lower --rows-per-shard or --chunk-tokens")
+    if out.is_dir():
+        clear_own_output(out)
+    out.mkdir(parents=True, exist_ok=True)
     pending: list[np.ndarray] = []
     n_pending = shards = rows = documents = 0
     progress = _Progress()
     start = time.perf_counter()
-    with Pool(args.workers, initializer=_init_worker, initargs=(args.tokenizer,)) as pool:
-        for ids, docs in pool.imap(_encode_chunk, _chunks(source, args.docs_per_task, args.max_docs)):
-            progress.update(ids.shape[1])
-            pending.append(ids)
-            n_pending += ids.shape[1]
-            documents += docs
-            while n_pending >= shard_tokens:
-                flat = np.concatenate(pending, axis=1)
-                _write_shard(flat[:, :shard_tokens], row_len, out / f"part-{shards:05d}.parquet", labels)
-                pending, n_pending = [flat[:, shard_tokens:]], flat.shape[1] - shard_tokens
-                shards, rows = shards + 1, rows + args.rows_per_shard
-    progress.close()
+    try:
+        with Pool(args.workers, initializer=_init_worker, initargs=(args.tokenizer,)) as pool:
+            for ids, docs in pool.imap(_encode_chunk, _chunks(source, args.docs_per_task, args.max_docs)):
+                progress.update(ids.shape[1])
+                pending.append(ids)
+                n_pending += ids.shape[1]
+                documents += docs
+                while n_pending >= shard_tokens:
+                    flat = np.concatenate(pending, axis=1)
+                    _write_shard(flat[:, :shard_tokens], row_len, out / f"part-{shards:05d}.parquet", labels)
+                    pending, n_pending = [flat[:, shard_tokens:]], flat.shape[1] - shard_tokens
+                    shards, rows = shards + 1, rows + args.rows_per_shard
+    finally:
+        progress.close()
     flat = np.concatenate(pending, axis=1) if pending else np.zeros((2, 0), np.int32)
     kept = flat.shape[1] if stream else flat.shape[1] // row_len * row_len
     if kept:
@@ -182,8 +221,15 @@ def prepare(args: argparse.Namespace) -> None:
     )
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage block), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="prepare_data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", required=True, help="Folder with tokenizer.json or tokenizer.model.")
     parser.add_argument("--path", required=True, help="Local file or glob, or a hub dataset id (--kind hf).")
     parser.add_argument("--kind", choices=["text", "jsonl", "parquet", "hf"], default="jsonl", help="Source format.")
@@ -201,6 +247,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="v1: rows of exactly seq_len + 1 tokens for this seq_len (default: v2, a token stream)")
     parser.add_argument("--chunk-tokens", type=int, default=8192, help="v2: tokens per parquet row (default 8192)")
     parser.add_argument("--out", required=True, help="Empty output folder for part-NNNNN.parquet shards.")
+    parser.add_argument("--force", action="store_true",
+                        help="Replace an earlier output of this tool in --out (never a folder with other files).")
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="Tokenizer processes (default: all cores).")
     parser.add_argument("--rows-per-shard", type=int, default=100_000, help="Rows (v1) or chunks (v2) per parquet shard.")
     parser.add_argument("--docs-per-task", type=int, default=512, help="Documents per task sent to a worker.")
@@ -209,7 +257,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    prepare(parse_args(argv))
+    """Errors the user can act on (bad flags, --out, unreadable data) are one line, exit code 2."""
+    try:
+        prepare(parse_args(argv))
+    except (ValueError, OSError) as err:  # DataError is a ValueError
+        print(f"prepare_data.py: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -24,6 +24,7 @@ once every source is exhausted.
 from __future__ import annotations
 
 import bisect
+import codecs
 import glob
 import hashlib
 import json
@@ -94,7 +95,14 @@ def _documents(columns: dict[str, list], fields: list[str]) -> list:
 def read_documents(ds: datasets.IterableDataset, s: DataSource, batch_size: int) -> Iterator[list]:
     """An opened source's documents (open_source) in batches, in file order."""
     fields = _read_fields(s, ds)
-    for batch in ds.iter(batch_size=batch_size):
+    batches = ds.iter(batch_size=batch_size)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (ValueError, OSError) as err:  # a file that is not UTF-8, a bad JSON line further in
+            raise read_error(s, err) from None
         yield _documents(batch, fields)
 
 
@@ -230,8 +238,30 @@ def check_token_ids(row: list[int], vocab_size: int, where: str, labels: bool = 
 
 def read_error(s: DataSource, err: Exception) -> DataError:
     """One line for a source that cannot be read; a JSON error names the file and line."""
-    where = _bad_json_line(_source_files(s)) if s.kind == "jsonl" else None
+    where = None
+    if isinstance(err, UnicodeDecodeError) and s.kind in ("text", "jsonl"):
+        where = _bad_utf8_file(_source_files(s))
+    elif s.kind == "jsonl":
+        where = _bad_json_line(_source_files(s))
     return DataError(f"data source {s.name or s.path!r}: {where or f'{type(err).__name__}: {_first_line(err)}'}")
+
+
+def _bad_utf8_file(files: list[str]) -> str | None:
+    """'file: not UTF-8 text (byte 0x.. at offset N)' for the first of the files that does not decode."""
+    for path in files:
+        decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+        with open(path, "rb") as f:
+            while True:
+                chunk, pending = f.read(1 << 20), len(decoder.getstate()[0])
+                try:
+                    decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as err:
+                    position = offset - pending + err.start
+                    return f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {position})"
+                if not chunk:
+                    break
+                offset += len(chunk)
+    return None
 
 
 def _bad_json_line(files: list[str]) -> str | None:

@@ -26,6 +26,10 @@ from titan_recur.storage.checkpoint import CheckpointError
 from titan_recur.config import DATA_FORMATS as FORMATS
 from titan_recur.eval.loading import add_checkpoint_arguments
 from titan_recur.models.args import STATE_INITS
+from titan_recur.storage.model_io import check_output_files
+from titan_recur.utils.limits import (
+    check_allocation, check_at_least, check_recurrence_bound, check_seq_len, forward_bytes,
+)
 from titan_recur.utils.resources import project_folder
 
 DEFAULT_RECURRENCES = "1,2,4,8,16,32"
@@ -48,10 +52,17 @@ def parse_floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
-def check_out(out: Path) -> None:
-    """Before any work: an --out that is an existing file would fail only when the results are written."""
+def check_out(out: Path, files: list[str], force: bool, is_own, kind: str) -> None:
+    """Before any work: --out must be a folder (or not exist), and its ``files`` not exist (with --force: be
+    this command's own earlier output)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder")
+    check_output_files([out / name for name in files], force, is_own, kind)
+
+
+def add_force(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--force", action="store_true", help=f"replace {what} of an earlier run of this command "
+                        "(never a file of another kind)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     loss.add_argument("--data-ranks", type=int, default=1,
                       help="read the rows the in-loop validation reads on this many data-parallel ranks (default 1)")
     loss.add_argument("--out", required=True, type=Path, help="output folder for validation_loss.{json,png}")
+    add_force(loss, "validation_loss.{json,png}")
     _add_model_options(loss)
 
     heldout = commands.add_parser("heldout", help="write held-out documents as jsonl (for eval loss --data)")
@@ -97,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "written in the same format (default: text)")
     heldout.add_argument("--documents", type=int, required=True, help="number of documents to write")
     heldout.add_argument("--out", required=True, type=Path, help="jsonl file to write ({\"text\": ...} per line)")
+    add_force(heldout, "the jsonl file")
 
     harness = commands.add_parser("harness", help="lm-eval-harness tasks at each test recurrence, one model load")
     harness.add_argument("--model-args", "--model_args", required=True,
@@ -116,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     harness.add_argument("--out", required=True, type=Path,
                          help="output folder for results_r*.json, table.{json,md}, compute_curve.png and "
                          "accuracy_vs_r.png (without --exit-thresholds)")
+    add_force(harness, "the results and tables")
 
     commands.add_parser("lm_eval", add_help=False,
                         help="lm_eval's own command line (all its options), with --model titan_recur registered")
@@ -131,20 +145,27 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def run_loss(args: argparse.Namespace) -> None:
-    from titan_recur.eval.loading import default_tokenizer_folder, load_checkpoint, resolve_device
+    from titan_recur.eval.loading import (
+        checkpoint_model_args, default_tokenizer_folder, load_checkpoint, resolve_device,
+    )
     from titan_recur.training.validation import check_recurrences
-    from titan_recur.eval.sweep import heldout_batches, loss_sweep, rows_settings, write_report
+    from titan_recur.eval.sweep import (
+        JSON_NAME, PLOT_NAME, heldout_batches, is_loss_report, loss_sweep, rows_settings, write_report,
+    )
     from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 
     recurrences = check_recurrences(args.recurrences)
-    check_out(args.out)
-    for name in ("seq_len", "batches", "batch_size"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_recurrence_bound(recurrences)
+    check_out(args.out, [JSON_NAME, PLOT_NAME], args.force, is_loss_report, "an eval loss report")
+    for name in ("seq_len", "batches", "batch_size", "data_ranks"):
+        check_at_least(getattr(args, name), f"--{name.replace('_', '-')}")
     settings, in_loop = rows_settings(args.config, args.batches, args.batch_size, args.seq_len, args.data_ranks,
                                       DATA_BATCH_SIZE, DATA_SEQ_LEN)
     device = resolve_device(args.device)
-    model = load_checkpoint(args.checkpoint, args.model_config, device=device, dtype=args.dtype)
+    model_args = checkpoint_model_args(args.checkpoint, args.model_config)
+    check_rows(settings, model_args, args.dtype, device)
+    model = load_checkpoint(args.checkpoint, args.model_config, device=device, dtype=args.dtype,
+                            unverified=args.unverified)
     tokenizer = load_tokenizer(args.tokenizer or default_tokenizer_folder(args.checkpoint, args.model_config))
     check_vocab(tokenizer, model.args.vocab_size)
     batches = heldout_batches(
@@ -172,6 +193,19 @@ def run_loss(args: argparse.Namespace) -> None:
     print(f"wrote {json_path} and {plot_path}")
 
 
+def check_rows(settings: dict, model_args, dtype: str, device) -> None:
+    """The rows fit the model's positions, and a batch's forward (with the weights) the device's free memory."""
+    from titan_recur.storage.model_io import DTYPES
+
+    check_seq_len(settings["seq_len"], model_args.max_seq_len)
+    element = DTYPES[dtype].itemsize
+    weights = model_args.vocab_size * model_args.dim * 2 + (model_args.n_prelude + model_args.n_core + model_args.n_coda) * (
+        4 * model_args.dim * model_args.n_heads * model_args.head_dim + 3 * model_args.dim * model_args.ffn_dim)
+    batch = forward_bytes(settings["batch_size"], settings["seq_len"], model_args.dim, model_args.ffn_dim, element)
+    check_allocation(weights * element + batch, device, f"a batch of {settings['batch_size']} x {settings['seq_len']} "
+                     "tokens with the model", hint="lower --batch-size or --seq-len")
+
+
 def describe_rows(report: dict) -> str:
     """What was evaluated: the real counts, and the geometry asked for."""
     asked = "all" if report["batches"] is None else report["batches"]
@@ -183,10 +217,10 @@ def describe_rows(report: dict) -> str:
 def run_heldout(args: argparse.Namespace) -> None:
     from titan_recur.config import Data, DataSource, load_config
     from titan_recur.data.loader import heldout_documents
-    from titan_recur.eval.sweep import data_source, write_documents
+    from titan_recur.eval.sweep import data_source, is_documents_file, write_documents
 
-    if args.documents < 1:
-        raise ValueError(f"--documents must be >= 1, got {args.documents}")
+    check_at_least(args.documents, "--documents")
+    check_output_files([args.out], args.force, is_documents_file, "a held-out jsonl file")
     if args.config:
         data, what = load_config(args.config).data, f"the validation split of {args.config}"
     else:
@@ -208,17 +242,20 @@ def run_harness(args: argparse.Namespace) -> None:
     except ImportError:
         raise ImportError("the harness needs lm-eval-harness: pip install -e '.[eval]'") from None
     from titan_recur.eval.harness import (
-        CURVE_PNG, check_task_data, check_tasks, harness_sweep, markdown_table, plot_accuracy, results_table,
+        CURVE_PNG, TABLE_JSON, TABLE_MD, check_task_data, is_harness_output, check_tasks, harness_sweep, markdown_table, plot_accuracy, results_table,
         write_results,
     )
     from titan_recur.eval.lm_eval_model import TitanRecurLM
 
-    check_out(args.out)
+    check_out(args.out, [TABLE_JSON, TABLE_MD, CURVE_PNG], args.force, is_harness_output, "an eval harness result")
+    model_args = simple_parse_args_string(args.model_args)
+    check_harness_model(model_args)  # the model first: a typo in its path is one line, not a dataset search
+    check_recurrence_bound(args.recurrences or [], "--recurrences")
     task_manager = TaskManager(include_path=[str(p) for p in (PROJECT_TASKS, *args.include_path)])
     tasks = check_tasks([t for t in args.tasks.split(",") if t], task_manager)  # before the (slow) model load
     check_task_data(tasks, task_manager)  # each task's dataset, before the model load too
     try:
-        lm = TitanRecurLM(**simple_parse_args_string(args.model_args))
+        lm = TitanRecurLM(**model_args)
     except TypeError as err:  # an unknown key in --model_args
         raise ValueError(f"bad --model_args {args.model_args!r}: {err}") from None
     results = harness_sweep(
@@ -231,6 +268,17 @@ def run_harness(args: argparse.Namespace) -> None:
         figures.append(plot_accuracy(results_table(results), [int(s) for s in results], args.out))
     print(markdown_table(results_table(results), list(results)), end="")
     print(f"wrote {table_json}, {table_md}, " + " and ".join(map(str, figures)))
+
+
+def check_harness_model(model_args: dict) -> None:
+    """pretrained= names a loadable checkpoint (and num_steps= a bounded depth), read without the weights."""
+    from titan_recur.eval.loading import checkpoint_model_args
+
+    if "pretrained" not in model_args:
+        raise ValueError("--model-args needs pretrained=PATH (a model folder or a DCP step folder)")
+    checkpoint_model_args(model_args["pretrained"], model_args.get("model_config"))
+    if "num_steps" in model_args:
+        check_recurrence_bound([int(model_args["num_steps"])], "num_steps")
 
 
 def run_lm_eval(argv: list[str]) -> None:

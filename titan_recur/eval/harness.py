@@ -23,6 +23,17 @@ ACCURACY_PNG, CURVE_PNG = "accuracy_vs_r.png", "compute_curve.png"
 ITERATIONS = "mean_iterations"
 
 
+def is_harness_output(path: Path) -> bool:
+    """A file ``eval harness`` writes: its table.json (a list of rows), table.md (a markdown table) or a PNG."""
+    try:
+        if path.suffix == ".png":
+            return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        text = path.read_text()
+        return isinstance(json.loads(text), list) if path.suffix == ".json" else text.startswith("|")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+
+
 def check_tasks(tasks: Sequence[str], task_manager: TaskManager) -> list[str]:
     """The tasks, each a known task/group/tag name, glob of names, or YAML file; unknown names fail here."""
     unknown = [t for t in tasks if not (task_manager.match_tasks([t]) or Path(t).is_file())]

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from titan_recur.storage.checkpoint import ModelState, load_from
-from titan_recur.storage.model_io import DTYPES, WEIGHTS_NAME, load_model, read_model_args
+from titan_recur.models.args import ModelArgs
+from titan_recur.storage.model_io import DTYPES, WEIGHTS_NAME, check_not_hf_export, load_model, read_model_args
 from titan_recur.models.model import RecurrentLM
 
 
@@ -25,21 +26,12 @@ def is_dcp_checkpoint(path: Path) -> bool:
     return (path / ".metadata").is_file()
 
 
-def load_checkpoint(
-    path: str | Path,
-    model_config: str | Path | None = None,
-    device: str | torch.device = "cpu",
-    dtype: str = "float32",
-) -> RecurrentLM:
-    """The model at ``path`` in eval mode.
+def checkpoint_model_args(path: str | Path, model_config: str | Path | None = None) -> ModelArgs:
+    """The architecture of the checkpoint at ``path`` (see ``load_checkpoint``), read without loading any weights.
 
-    path: a model folder (config.json + model.safetensors: converted, a run's final_model/, ...), or a
-    DCP step folder (``<dump>/checkpoints/step-N``), whose architecture comes from the model folder
-    ``model_config`` (DCP stores tensors only). A DCP step loads into a plain module, no process group.
+    So a tool checks its inputs against the model (max_seq_len, memory) before any work.
     """
     path = Path(path)
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     if not path.is_dir():
         raise FileNotFoundError(
             f"{path}: no such checkpoint (expected a model folder with config.json + {WEIGHTS_NAME}, "
@@ -48,13 +40,37 @@ def load_checkpoint(
     if not is_dcp_checkpoint(path):
         if model_config is not None:
             raise ValueError(f"--model-config is only for DCP step folders; {path} is a model folder")
-        return load_model(path, device=device, dtype=DTYPES[dtype])
+        check_not_hf_export(path)
+        return read_model_args(path)
     if model_config is None:
         raise ValueError(
             f"{path} is a DCP step folder: pass --model-config with the run's model folder "
             "(config.json) for its architecture"
         )
-    model = RecurrentLM(read_model_args(model_config))
+    return read_model_args(model_config)
+
+
+def load_checkpoint(
+    path: str | Path,
+    model_config: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: str = "float32",
+    unverified: bool = False,
+) -> RecurrentLM:
+    """The model at ``path`` in eval mode.
+
+    path: a model folder (config.json + model.safetensors: converted, a run's final_model/, ...), or a
+    DCP step folder (``<dump>/checkpoints/step-N``), whose architecture comes from the model folder
+    ``model_config`` (DCP stores tensors only). A DCP step loads into a plain module, no process group.
+    A model folder without its manifest loads only with ``unverified`` (storage/model_io.py).
+    """
+    path = Path(path)
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    args = checkpoint_model_args(path, model_config)
+    if not is_dcp_checkpoint(path):
+        return load_model(path, device=device, dtype=DTYPES[dtype], unverified=unverified)
+    model = RecurrentLM(args)
     load_from(path, {"model": ModelState(model)})
     return model.to(device=device, dtype=DTYPES[dtype]).eval()
 
@@ -65,8 +81,11 @@ def default_tokenizer_folder(path: str | Path, model_config: str | Path | None) 
 
 
 def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    """--checkpoint, --model-config, --tokenizer: what ``load_checkpoint`` and ``default_tokenizer_folder`` take."""
+    """--checkpoint, --model-config, --tokenizer, --unverified: what ``load_checkpoint`` and ``default_tokenizer_folder`` take."""
     parser.add_argument("--checkpoint", required=True,
                         help="model folder (config.json + model.safetensors) or DCP step folder")
     parser.add_argument("--model-config", help="model folder giving the architecture of a DCP step folder")
     parser.add_argument("--tokenizer", help="folder with the tokenizer files (default: the model folder)")
+    parser.add_argument("--unverified", action="store_true",
+                        help="load a model folder that has no manifest.json, its files unchecked (titan_recur "
+                        "seals every folder it writes; a missing manifest means it was deleted or hand-made)")

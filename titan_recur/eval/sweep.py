@@ -20,6 +20,7 @@ from titan_recur.data.tokenizer import Tokenizer
 
 JSON_NAME = "validation_loss.json"
 PLOT_NAME = "validation_loss.png"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
@@ -56,6 +57,28 @@ def rows_settings(
         "data_ranks": ranks,
     }
     return settings, in_loop
+
+
+def is_loss_report(path: Path) -> bool:
+    """A file ``eval loss`` writes: its validation_loss.json (a report with per-r losses) or a PNG plot."""
+    try:
+        if path.suffix == ".png":
+            return path.read_bytes()[:8] == PNG_MAGIC
+        report = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(report, dict) and {"loss", "effective_depth"} <= set(report)
+
+
+def is_documents_file(path: Path) -> bool:
+    """A file ``eval heldout`` writes: JSON lines of {"text"} or {"prompt", "completion"} records (or empty)."""
+    try:
+        with open(path) as f:
+            first = f.readline()
+        record = json.loads(first) if first.strip() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(record, dict) and set(record) in (set(), {"text"}, {"prompt", "completion"})
 
 
 def write_documents(documents: Iterable[str], out: str | Path, limit: int) -> int:

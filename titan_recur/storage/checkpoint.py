@@ -208,6 +208,8 @@ class CheckpointManager:
             _agree(lambda: _fresh_folder(partial) if _is_rank0() else None)
             with _quiet_without_process_group():
                 if self.async_mode == "async":
+                    # The writer thread warns after this block has exited: filter it for the process.
+                    warnings.filterwarnings("ignore", message=_NO_PROCESS_GROUP_WARNING)
                     self._pending = (step, dcp.async_save(self.states, checkpoint_id=str(partial),
                                                           process_group=self._async_group))
                     return
@@ -229,6 +231,10 @@ class CheckpointManager:
         try:
             future.result()
         except (OSError, CheckpointException) as err:
+            self._write_failed(step, err)
+        except RuntimeError as err:  # torch.save's "unexpected pos" on a full disk, raised from the writer thread
+            if not _disk_full(self.folder, self._partial(step)):
+                raise
             self._write_failed(step, err)
         self._complete(step)
 

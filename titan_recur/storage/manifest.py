@@ -62,6 +62,14 @@ def seal_folder(folder: Path, kind: str) -> None:
     write_manifest(folder, kind, describe_files(folder, names))
 
 
+def update_manifest_entry(folder: Path, name: str) -> None:
+    """Record a file a titan_recur writer has just rewritten in the folder's manifest; no manifest: nothing."""
+    manifest = read_manifest(folder)
+    if manifest is not None:
+        files = {**manifest.pop("files"), **describe_files(folder, [name])}
+        write_manifest(folder, manifest.pop("kind"), files, **{k: v for k, v in manifest.items() if k != "checksum"})
+
+
 def read_manifest(folder: Path) -> dict[str, Any] | None:
     """The folder's manifest, or None when it has none; an unreadable one is an IntegrityError."""
     path = Path(folder) / MANIFEST_NAME

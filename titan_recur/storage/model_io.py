@@ -17,7 +17,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from titan_recur.models.args import PRESETS, ModelArgs
-from titan_recur.storage.manifest import folder_kind, seal_folder, verify_folder
+from titan_recur.storage.manifest import (
+    MANIFEST_NAME,
+    folder_kind,
+    read_manifest,
+    seal_folder,
+    update_manifest_entry,
+    verify_folder,
+)
 from titan_recur.models.model import RecurrentLM
 
 if TYPE_CHECKING:  # the config schema; models never import it at run time
@@ -26,6 +33,7 @@ if TYPE_CHECKING:  # the config schema; models never import it at run time
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_KEY = "titan_recur"
+MODEL_ARCHITECTURES = ["RecurrentLM"]  # a model folder's config.json; an HF export names its transformers class
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -50,9 +58,30 @@ def read_model_args(folder: str | Path) -> ModelArgs:
     return ModelArgs.from_dict(config[CONFIG_KEY])
 
 
+def check_not_hf_export(folder: str | Path) -> None:
+    """An HF export has a titan_recur section too, but HF tensor names: say what it is and how to load it."""
+    try:
+        config = json.loads((Path(folder) / CONFIG_NAME).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # read_model_args names the problem
+    if isinstance(config, dict) and is_hf_export_config(config):
+        raise ValueError(
+            f"{folder} is an HF export (architectures {config.get('architectures')}), not a titan_recur model folder: "
+            "load it with transformers' AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True) "
+            "(docs/hf.md), or give the titan_recur model folder it was exported from"
+        )
+
+
+def is_hf_export_config(config: dict) -> bool:
+    """An HF export's config.json names its HF class (TitanRecurForCausalLM); a model folder's names RecurrentLM."""
+    return config.get("architectures", MODEL_ARCHITECTURES) != MODEL_ARCHITECTURES
+
+
 def write_model_args(args: ModelArgs, folder: str | Path) -> None:
-    config = {"architectures": ["RecurrentLM"], "model_type": "titan_recur", CONFIG_KEY: args.to_dict()}
+    """config.json; in a sealed folder its manifest entry too (the folder stays verifiable)."""
+    config = {"architectures": MODEL_ARCHITECTURES, "model_type": "titan_recur", CONFIG_KEY: args.to_dict()}
     (Path(folder) / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    update_manifest_entry(Path(folder), CONFIG_NAME)
 
 
 def savable_state_dict(model: RecurrentLM) -> dict[str, torch.Tensor]:
@@ -78,7 +107,9 @@ def write_model_folder(
 
 
 def save_model(model: RecurrentLM, folder: str | Path, tokenizer_folder: str | Path | None = None) -> None:
+    """A model folder, sealed (manifest of kind "trained") so that loaders can verify it."""
     write_model_folder(Path(folder), model.args, savable_state_dict(model), tokenizer_folder)
+    seal_folder(Path(folder), "trained")
 
 
 def load_state_dict_into(model: RecurrentLM, state: dict[str, torch.Tensor], source: str) -> None:
@@ -96,11 +127,21 @@ def load_state_dict_into(model: RecurrentLM, state: dict[str, torch.Tensor], sou
     model.load_state_dict(state)
 
 
-def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a model folder's model.safetensors, checked against its manifest; one-line errors."""
+def read_weights(folder: str | Path, unverified: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of a model folder's model.safetensors, checked against its manifest; one-line errors.
+
+    A titan_recur folder always has a manifest: one without is refused (it was deleted, or the folder
+    was assembled by hand) unless ``unverified`` says to load it unchecked.
+    """
     weights = Path(folder) / WEIGHTS_NAME
+    check_not_hf_export(folder)
     if not weights.is_file():
         raise FileNotFoundError(f"{weights}: no such file")
+    if read_manifest(Path(folder)) is None and not unverified:
+        raise UnverifiedFolderError(
+            f"{folder} has no {MANIFEST_NAME}: its files cannot be verified (titan_recur seals every model folder "
+            f"it writes); load it unchecked with --unverified (load_model(..., unverified=True)), or write it again"
+        )
     verify_folder(Path(folder), [CONFIG_NAME, WEIGHTS_NAME])  # the files a load reads
     try:
         return load_file(str(weights))
@@ -108,11 +149,17 @@ def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{weights}: unreadable safetensors file (truncated or corrupt?): {err}") from None
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> RecurrentLM:
-    """Build a RecurrentLM from a converted folder and load its weights (eval mode)."""
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, unverified: bool = False
+) -> RecurrentLM:
+    """Build a RecurrentLM from a sealed model folder and load its weights (eval mode); see ``read_weights``."""
     model = RecurrentLM(read_model_args(path))
-    load_state_dict_into(model, read_weights(path), str(Path(path) / WEIGHTS_NAME))
+    load_state_dict_into(model, read_weights(path, unverified), str(Path(path) / WEIGHTS_NAME))
     return model.to(device=device, dtype=dtype).eval()
+
+
+class UnverifiedFolderError(ValueError):
+    """A titan_recur model folder without its manifest.json."""
 
 
 def copy_tokenizer_files(source: Path, destination: Path) -> list[str]:
@@ -152,6 +199,24 @@ def check_output_folder(output: Path, force: bool, replaceable_kind: str, error:
             f"refusing to overwrite {output} with --force: it is {_KIND_NAMES[kind]}; --force replaces only "
             f"{_KIND_NAMES[replaceable_kind]}"
         )
+
+
+def check_output_files(
+    paths: list[Path], force: bool, is_own: Callable[[Path], bool], kind: str, error: type[Exception] = ValueError
+) -> None:
+    """Refuse to replace existing files; with force, only files ``is_own`` recognises as ``kind`` (this tool's).
+
+    A folder in their place, or a file of another kind, is refused even with force.
+    """
+    existing = [p for p in paths if p.exists() or p.is_symlink()]
+    for path in existing:
+        if path.is_dir():
+            raise error(f"{path} exists and is a folder")
+    if existing and not force:
+        raise error(f"{existing[0]} exists; pass --force to replace it")
+    for path in existing:
+        if not is_own(path):
+            raise error(f"refusing to replace {path} with --force: it is not {kind}")
 
 
 def write_atomically(output: Path, write: Callable[[Path], None], *, kind: str) -> None:

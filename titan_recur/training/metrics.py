@@ -12,6 +12,7 @@ import math
 import resource
 import secrets
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,6 +157,7 @@ class MetricsLogger:
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            _quiet_tensorboard_thread()
             self.writer = SummaryWriter(log_dir=str(self.dump_folder / "tb"))
         if self.jsonl:
             self.jsonl_file = open(self.dump_folder / "metrics.jsonl", "a", buffering=1)
@@ -210,13 +212,35 @@ class MetricsLogger:
             self.wandb.log(record)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        if self.jsonl_file is not None:
-            self.jsonl_file.close()
+        """Flush and close every sink; a sink that cannot (a full disk) is one warning line, not a traceback
+        that would bury the error the run stops with."""
+        writer, jsonl_file, self.writer, self.jsonl_file = self.writer, self.jsonl_file, None, None
+        for name, sink in (("TensorBoard", writer), ("metrics.jsonl", jsonl_file)):
+            if sink is None:
+                continue
+            try:
+                sink.close()
+            except (OSError, RuntimeError) as err:  # TensorBoard re-raises its writer thread's error at close
+                reason = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+                print(f"[titan_recur] warning: {name} in {self.dump_folder} not fully written: {reason}", flush=True)
         if self.wandb is not None:
             self.wandb.close()
             self.wandb = None
+
+
+def _quiet_tensorboard_thread() -> None:
+    """TensorBoard's writer thread re-raises a write error (a full disk) in the trainer's next add/flush/close,
+    where it becomes the run's one error line; the thread's own copy would print a traceback into the log."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ != "_AsyncWriterThread":
+            previous(args)
+
+    hook.quiet_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def format_duration(seconds: float) -> str:

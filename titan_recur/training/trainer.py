@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from titan_recur.training import cost_model, preflight
+from titan_recur.storage.lock import DumpFolderLock, DumpFolderLockedError
 from titan_recur.storage.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -171,6 +172,7 @@ class Trainer:
         self.async_save_written = False  # every rank's background save has finished (agreed each step)
         self.training = False  # the loop has started: failures from now on name the step and last checkpoint
         self.watchdog = StepWatchdog(cfg.training.step_timeout_s, self.dist.rank, self.dist.world_size)
+        self.dump_lock: DumpFolderLock | None = None
 
     def _load_tokenizer(self):
         folder = self.tokenizer_folder()
@@ -263,6 +265,7 @@ class Trainer:
         self._log(f"resharded {folder} from {saved_world} to {self.dist.world_size} ranks; data streams restarted")
 
     def train(self) -> int:
+        self.dump_lock = take_dump_lock(self.dump)  # before the first read of the checkpoints: one run per folder
         self.resume()
         self._write_run_config()
         self.metrics.open()
@@ -461,6 +464,8 @@ class Trainer:
     def close(self) -> None:
         self.watchdog.stop()
         self.metrics.close()
+        if self.dump_lock is not None:
+            self.dump_lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -499,6 +504,25 @@ def export_model(model: RecurrentLM, args: ModelArgs, folder: Path, tokenizer_fo
     print(f"[titan_recur] exported final model to {folder}", flush=True)
 
 
+def take_dump_lock(dump: Path) -> DumpFolderLock | None:
+    """Rank 0 takes the dump folder's lock for the whole run; every rank learns the outcome, so no other rank
+    races for it and a refusal stops all of them with rank 0's one line (storage/lock.py)."""
+    lock, refusal = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            lock = DumpFolderLock.acquire(dump)
+        except (DumpFolderLockedError, OSError) as err:  # held by a live run; a read-only or full folder
+            refusal = err
+    if dist.is_initialized():
+        outcome = [refusal]
+        dist.broadcast_object_list(outcome, src=0)
+        refusal = outcome[0]
+    if refusal is not None:
+        refusal.said_by_rank0 = True  # the other ranks exit with its code, silently
+        raise refusal
+    return lock
+
+
 def check_output_folders(dump: Path, cfg: JobConfig) -> None:
     """The dump and checkpoint folders must be folders (or not exist yet)."""
     for path in (dump, dump / cfg.checkpoint.folder):
@@ -534,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
         code = exit_code(err, training=trainer is not None and trainer.training)
         if code is None:  # a bug: its traceback
             raise
-        report_error(describe_failure(err, code, trainer, cfg))
+        if not getattr(err, "said_by_rank0", False) or int(os.environ.get("RANK", 0)) == 0:
+            report_error(describe_failure(err, code, trainer, cfg))
         return code
     finally:
         if trainer is not None:

@@ -1,0 +1,442 @@
+"""An adversarial operator's inputs: each is refused in one line (``error: ...``, exit 2) before any work.
+
+Bounds (sequence length vs the model, recurrences, memory vs the machine), writers that never replace
+what they did not write, model folders without their manifest, undecodable text, and messages that
+name the root cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_recur.cli.analyze_layers import main as analyze_main
+from titan_recur.cli.compare import main as compare_main
+from titan_recur.cli.generate import main as generate_main
+from titan_recur.cli.prepare_data import main as prepare_main
+from titan_recur.eval.__main__ import main as eval_main
+from titan_recur.storage.manifest import MANIFEST_NAME
+from titan_recur.storage.model_io import UnverifiedFolderError, load_model
+from titan_recur.utils.limits import MAX_RECURRENCE, available_memory, check_allocation
+
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = REPO / "assets"
+MODEL = ASSETS / "tiny_llama_recurrent"  # max_seq_len 2048
+CORPUS = ASSETS / "corpus" / "math.jsonl"
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def one_error_line(capsys, code: int, *needles: str) -> str:
+    """The command failed with exit 2 and a single ``error:`` line on stderr that holds every needle."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and "error: " in lines[0], err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def loss_args(tmp_path: Path, *extra: str) -> list[str]:
+    return ["loss", "--checkpoint", str(MODEL), "--data", str(CORPUS), "--batches", "1", "--batch-size", "1",
+            "--seq-len", "32", "--recurrences", "1", "--out", str(tmp_path / "loss"), *extra]
+
+
+# ------------------------------------------------------------------------------------------- bounds
+
+
+def test_eval_loss_refuses_a_seq_len_beyond_the_models_positions(tmp_path, capsys):
+    code = eval_main(loss_args(tmp_path, "--seq-len", "4096"))
+    one_error_line(capsys, code, "--seq-len 4096", "max_seq_len 2048")
+    assert not (tmp_path / "loss").exists()
+
+
+def test_eval_loss_refuses_an_unbounded_recurrence(tmp_path, capsys):
+    code = eval_main(loss_args(tmp_path, "--recurrences", "1,1000000000"))
+    one_error_line(capsys, code, "1000000000", str(MAX_RECURRENCE))
+
+
+def test_eval_loss_refuses_a_batch_larger_than_free_memory(tmp_path, capsys):
+    code = eval_main(loss_args(tmp_path, "--batch-size", "100000000", "--seq-len", "2048"))
+    one_error_line(capsys, code, "GiB", "free", "--batch-size")
+
+
+def test_analyze_layers_refuses_a_seq_len_beyond_the_sources_positions(tmp_path, capsys):
+    code = analyze_main([str(ASSETS / "tiny_llama"), "--data", str(CORPUS), "--seq-len", "100000000",
+                         "--out", str(tmp_path / "a")])
+    one_error_line(capsys, code, "--seq-len 100000000", "max_seq_len")
+    assert not (tmp_path / "a").exists()
+
+
+def test_analyze_layers_refuses_an_unbounded_recurrence(tmp_path, capsys):
+    code = analyze_main([str(ASSETS / "tiny_llama"), "--data", str(CORPUS), "--recurrences", "1,5000",
+                         "--out", str(tmp_path / "a")])
+    one_error_line(capsys, code, "5000", str(MAX_RECURRENCE))
+
+
+def test_generate_refuses_an_unbounded_num_steps(capsys):
+    code = generate_main(["--checkpoint", str(MODEL), "--prompt", "1 2", "--num-steps", "1000000000"])
+    one_error_line(capsys, code, "--num-steps 1000000000", str(MAX_RECURRENCE))
+
+
+def test_generate_refuses_a_kv_cache_larger_than_free_memory(tmp_path, capsys):
+    """1000 prompts decoded together at r = 1024 with full K/V sharing: ~1 TB of cache, refused before the load."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i} + 1 ="}) + "\n" for i in range(1000)))
+    code = generate_main(["--checkpoint", str(MODEL), "--prompts", str(prompts), "--num-steps", "1024",
+                          "--batch-size", "1000", "--max-new-tokens", "2000"])
+    one_error_line(capsys, code, "KV cache", "GiB", "free", "--kv-sharing latest")
+
+
+def test_check_allocation_compares_with_the_free_memory():
+    cpu = torch.device("cpu")
+    free = available_memory(cpu)
+    assert free > 0
+    check_allocation(1 << 20, cpu, "a small buffer")
+    with pytest.raises(ValueError, match="a huge buffer needs .* GiB but cpu has .* GiB free"):
+        check_allocation(free * 4, cpu, "a huge buffer")
+
+
+# ---------------------------------------------------------------------------------- no overwrites
+
+
+def test_eval_heldout_never_replaces_a_file_it_did_not_write(tmp_path, capsys):
+    mine = tmp_path / "notes.jsonl"
+    mine.write_text("my own notes\n")
+    argv = ["heldout", "--data", str(CORPUS), "--documents", "3", "--out", str(mine)]
+    one_error_line(capsys, eval_main(argv), str(mine), "--force")
+    one_error_line(capsys, eval_main([*argv, "--force"]), "refusing to replace", str(mine))
+    assert mine.read_text() == "my own notes\n"
+    # Its own earlier output is replaced with --force only.
+    out = tmp_path / "held.jsonl"
+    assert eval_main(["heldout", "--data", str(CORPUS), "--documents", "3", "--out", str(out)]) == 0
+    one_error_line(capsys, eval_main(["heldout", "--data", str(CORPUS), "--documents", "2", "--out", str(out)]))
+    assert eval_main(["heldout", "--data", str(CORPUS), "--documents", "2", "--out", str(out), "--force"]) == 0
+    assert len(out.read_text().splitlines()) == 2
+
+
+def test_eval_loss_never_replaces_an_earlier_report_without_force(tmp_path, capsys):
+    assert eval_main(loss_args(tmp_path)) == 0
+    report = tmp_path / "loss" / "validation_loss.json"
+    before = report.read_text()
+    one_error_line(capsys, eval_main(loss_args(tmp_path, "--recurrences", "2")), str(report), "--force")
+    assert report.read_text() == before
+    assert eval_main(loss_args(tmp_path, "--recurrences", "2", "--force")) == 0
+    assert list(json.loads(report.read_text())["loss"]) == ["2"]
+    # A file of another kind under the report's name is refused even with --force.
+    report.write_text('{"mine": 1}\n')
+    one_error_line(capsys, eval_main(loss_args(tmp_path, "--force")), "refusing to replace")
+    assert report.read_text() == '{"mine": 1}\n'
+
+
+def prepare_args(out: Path, *extra: str) -> list[str]:
+    return ["--tokenizer", str(ASSETS / "tokenizer"), "--path", str(CORPUS), "--out", str(out), "--workers", "1",
+            "--max-docs", "20", *extra]
+
+
+def test_prepare_data_refuses_a_non_empty_out_in_one_line(tmp_path, capsys):
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    one_error_line(capsys, prepare_main(prepare_args(out)), "not empty", "--force")
+    one_error_line(capsys, prepare_main(prepare_args(out, "--force")), "refusing to replace")
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_prepare_data_replaces_its_own_output_only_with_force(tmp_path, capsys):
+    out = tmp_path / "data"
+    assert prepare_main(prepare_args(out)) == 0
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    one_error_line(capsys, prepare_main(prepare_args(out)), "not empty")
+    assert prepare_main(prepare_args(out, "--force", "--seq-len", "16")) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["part-00000.parquet"]  # v1: no stale metadata.json left
+    assert first.keys() == {"metadata.json", "part-00000.parquet"}
+
+
+# -------------------------------------------------------------------------------------- integrity
+
+
+@pytest.fixture
+def unsealed_model(tmp_path) -> Path:
+    folder = tmp_path / "model"
+    shutil.copytree(MODEL, folder)
+    (folder / MANIFEST_NAME).unlink()
+    return folder
+
+
+def test_a_model_folder_without_its_manifest_is_refused(unsealed_model, capsys):
+    with pytest.raises(UnverifiedFolderError, match="no manifest.json"):
+        load_model(unsealed_model)
+    code = generate_main(["--checkpoint", str(unsealed_model), "--prompt", "1 2", "--max-new-tokens", "2"])
+    one_error_line(capsys, code, "no manifest.json", "--unverified")
+
+
+def test_unverified_loads_a_folder_without_manifest_and_says_so(unsealed_model, capsys):
+    model = load_model(unsealed_model, unverified=True)
+    reference = load_model(MODEL)
+    ids = torch.tensor([[1, 5, 9, 11]])
+    torch.testing.assert_close(model(ids, num_steps=2), reference(ids, num_steps=2), rtol=0, atol=0)
+    code = generate_main(["--checkpoint", str(unsealed_model), "--prompt", "1 2", "--max-new-tokens", "2",
+                          "--unverified"])
+    assert code == 0, capsys.readouterr().err
+
+
+def test_the_shipped_model_folders_are_sealed():
+    for folder in (MODEL, ASSETS / "perm_llama"):
+        assert (folder / MANIFEST_NAME).is_file(), folder
+    load_model(MODEL)  # its checksums match
+
+
+# ------------------------------------------------------------------------------- undecodable text
+
+
+def test_generate_names_a_prompt_that_is_not_utf8(capsys):
+    # Python keeps the undecodable bytes of an argument as lone surrogates (os.fsdecode).
+    code = generate_main(["--checkpoint", str(MODEL), "--prompt", "\udcff\udcfeabc", "--max-new-tokens", "2"])
+    one_error_line(capsys, code, "--prompt", "UTF-8")
+
+
+def test_generate_names_a_prompts_file_that_is_not_utf8(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(b'{"prompt": "1 2"}\n{"prompt": "\xff\xfe"}\n')
+    code = generate_main(["--checkpoint", str(MODEL), "--prompts", str(prompts), "--max-new-tokens", "2"])
+    one_error_line(capsys, code, str(prompts), "UTF-8", "0xff")
+
+
+def test_prepare_data_names_a_text_file_that_is_not_utf8(tmp_path, capsys):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"hello\n\nworld \xff\xfe bad\n")
+    code = prepare_main(["--tokenizer", str(ASSETS / "tokenizer"), "--path", str(bad), "--kind", "text",
+                         "--out", str(tmp_path / "out"), "--workers", "1"])
+    one_error_line(capsys, code, str(bad), "not UTF-8", "0xff at offset 13")
+
+
+# ----------------------------------------------------------------------------------------- messages
+
+
+def test_generate_says_an_hf_export_is_one_and_how_to_load_it(tmp_path, capsys):
+    from titan_recur.hf.export import export_hf
+
+    out = tmp_path / "hf"
+    export_hf(load_model(MODEL), out, tokenizer_folder=MODEL)
+    code = generate_main(["--checkpoint", str(out), "--prompt", "1 2", "--max-new-tokens", "2"])
+    line = one_error_line(capsys, code, "is an HF export", "from_pretrained", "trust_remote_code=True")
+    assert "missing tensors" not in line
+
+
+def test_generate_refuses_a_tokenizer_of_another_vocabulary(tmp_path, capsys):
+    """Same size, ids that fit the model, but two tokens swapped: the ids mean other text."""
+    other = tmp_path / "tok"
+    shutil.copytree(ASSETS / "tokenizer", other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["e"], vocab["t"] = vocab["t"], vocab["e"]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    code = generate_main(["--checkpoint", str(MODEL), "--prompt", "the test", "--tokenizer", str(other),
+                          "--max-new-tokens", "2"])
+    one_error_line(capsys, code, f"--tokenizer {other}", "not the tokenizer of")
+    # The model's own tokenizer, named explicitly, is fine.
+    assert generate_main(["--checkpoint", str(MODEL), "--prompt", "the test", "--tokenizer", str(ASSETS / "tokenizer"),
+                          "--max-new-tokens", "2"]) == 0
+
+
+def test_compare_says_it_wants_run_folders(capsys):
+    with pytest.raises(SystemExit) as stop:
+        compare_main([str(MODEL), "--data", str(CORPUS), "--out", "/nonexistent/compare"])
+    line = one_error_line(capsys, stop.value.code, "is a model folder", "run folders")
+    assert "unknown section" not in line
+
+
+def test_eval_harness_checks_the_model_before_the_tasks(tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    code = eval_main(["harness", "--model-args", f"pretrained={tmp_path / 'missing'}", "--tasks", "gsm8k_cot_recur",
+                      "--out", str(tmp_path / "h")])
+    one_error_line(capsys, code, str(tmp_path / "missing"), "no such checkpoint")
+
+
+# ------------------------------------------------------------------------------------ full disk
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A tiny real tmpfs (the tests run as root, here and in CI) and a function that fills it up."""
+    import subprocess
+
+    folder = tmp_path / "tmpfs"
+    folder.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True,
+                           text=True)
+    if mount.returncode != 0:
+        pytest.fail(f"the disk-full tests need to mount a tmpfs (run as root): {mount.stderr.strip()}")
+
+    def fill() -> None:
+        with open(folder / "filler", "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 16))
+            except OSError:
+                pass
+
+    try:
+        yield folder, fill
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # TensorBoard's thread traceback
+def test_metrics_close_on_a_full_disk_is_one_warning_not_a_traceback(full_disk, capsys):
+    from titan_recur.training.metrics import MetricsLogger
+
+    folder, fill = full_disk
+    metrics = MetricsLogger(folder / "dump", enabled=True, tensorboard=True, jsonl=True)
+    metrics.open()
+    fill()
+    with contextlib.suppress(OSError):  # a training step's log reports this one (an I/O failure at step N)
+        for step in range(1, 2000):
+            metrics.writer.add_scalar("loss", 1.0 / step, step)
+    metrics.close()  # raises nothing
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    assert all("warning: " in line for line in out.out.splitlines() if line.strip()), out.out
+
+
+# --------------------------------------------------------------------------------- dump-folder lock
+
+HOLD = ("import sys, time; from titan_recur.storage.lock import DumpFolderLock; DumpFolderLock.acquire(sys.argv[1]); "
+        "print('held', flush=True); time.sleep(600)")
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return {**env, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), **extra}
+
+
+def start_holder(folder: Path, **env: str):
+    """A real process that takes the folder's lock and keeps it (sleeping) until killed."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True,
+                              env=subprocess_env(**env))
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def kill9(process) -> None:
+    import signal
+
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
+@pytest.fixture(scope="module")
+def train_config(tmp_path_factory) -> Path:
+    from tests.test_checkpoint import CORPUS_DATA, write_config
+    from tests.test_train_distributed import make_model_dir
+
+    root = tmp_path_factory.mktemp("lock")
+    return write_config(root / "run.toml", make_model_dir(root / "model"), CORPUS_DATA)
+
+
+def train(config: Path, dump: Path, *extra: str, wait: bool = True):
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "titan_recur.train", "--config", str(config), "--job.dump_folder", str(dump),
+            "--training.global_batch_size", "2", *extra]
+    if not wait:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    return subprocess.run(argv, capture_output=True, text=True, env=subprocess_env(), timeout=600)
+
+
+def test_a_second_run_on_a_live_runs_dump_folder_is_refused_naming_it(train_config, tmp_path):
+    """Two real trainers: the second is refused in one line naming the first; after kill -9 of the first, a
+    third takes the stale lock over and finishes."""
+    import socket
+    import time
+
+    from titan_recur.storage.lock import LOCK_NAME
+
+    dump = tmp_path / "dump"
+    first = train(train_config, dump, "--training.steps", "100000", "--checkpoint.interval", "100000",
+                  "--validation.enable", "false", wait=False)
+    try:
+        while not (dump / "metrics.jsonl").is_file() or not (dump / "metrics.jsonl").read_text():
+            assert first.poll() is None, first.communicate()
+            time.sleep(0.2)
+        second = train(train_config, dump, "--training.steps", "2")
+        lines = [line for line in second.stderr.splitlines() if line.strip()]
+        assert second.returncode == 2 and len(lines) == 1, second.stderr
+        assert f"host {socket.gethostname()}, pid {first.pid}" in lines[0] and "in use by another run" in lines[0]
+        assert lines[0].startswith("error: ")
+    finally:
+        kill9(first)
+    assert (dump / LOCK_NAME).is_file(), "kill -9 leaves the lock behind"
+    third = train(train_config, dump, "--training.steps", "2")
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"took over the stale lock {dump / LOCK_NAME}" in third.stdout and f"process {first.pid} is gone" in third.stdout
+    assert not (dump / LOCK_NAME).exists(), "released at the end"
+
+
+def test_a_requeued_slurm_job_takes_over_its_own_earlier_lock(tmp_path, monkeypatch):
+    from titan_recur.storage.lock import DumpFolderLock, DumpFolderLockedError
+
+    holder = start_holder(tmp_path, SLURM_JOB_ID="777", SLURM_RESTART_COUNT="0")
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", "778")
+        with pytest.raises(DumpFolderLockedError, match=f"pid {holder.pid}, Slurm job 777"):
+            DumpFolderLock.acquire(tmp_path)
+        # The same job id, once requeued (Slurm counts the restarts): the earlier incarnation's lock.
+        monkeypatch.setenv("SLURM_JOB_ID", "777")
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        lock = DumpFolderLock.acquire(tmp_path)
+        assert lock.holder["slurm_restart_count"] == "1"
+        lock.release()
+    finally:
+        kill9(holder)
+
+
+def test_a_lock_held_on_another_host_is_refused(tmp_path, monkeypatch):
+    from titan_recur.storage.lock import LOCK_NAME, DumpFolderLock, DumpFolderLockedError
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "node-elsewhere", "pid": 1, "since": "2026-01-01T00:00:00"}))
+    with pytest.raises(DumpFolderLockedError, match="host node-elsewhere, pid 1"):
+        DumpFolderLock.acquire(tmp_path)
+
+
+def _try_acquire(folder: str, queue, done) -> None:
+    """Report the outcome, then stay alive (a winner that exited would leave a stale lock for a late racer)."""
+    from titan_recur.storage.lock import DumpFolderLock, DumpFolderLockedError
+
+    try:
+        DumpFolderLock.acquire(folder)
+        queue.put("held")
+    except DumpFolderLockedError:
+        queue.put("refused")
+    done.wait(300)
+
+
+def test_processes_racing_for_a_stale_lock_leave_exactly_one_holder(tmp_path):
+    import multiprocessing
+
+    kill9(start_holder(tmp_path))  # a stale lock
+    context = multiprocessing.get_context("spawn")
+    queue, done = context.Queue(), context.Event()
+    racers = [context.Process(target=_try_acquire, args=(str(tmp_path), queue, done)) for _ in range(6)]
+    for racer in racers:
+        racer.start()
+    outcomes = sorted(queue.get(timeout=300) for _ in racers)
+    done.set()
+    for racer in racers:
+        racer.join()
+    assert outcomes == ["held"] + ["refused"] * 5
