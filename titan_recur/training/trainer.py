@@ -255,14 +255,14 @@ class Trainer:
         folder = self.checkpointer.step_folder(step)
         if self.cfg.data.reshard != "restart":
             raise CheckpointError(
-                f"{folder} was written by {saved_world} ranks, this run has {self.dist.world_size}: model and "
+                f"{folder} was written by {ranks(saved_world)}, this run has {self.dist.world_size}: model and "
                 f"optimizer reshard but the data position cannot; set data.reshard = 'restart' "
                 f"(--data.reshard restart) to restart the data streams at a new epoch from step {step}"
             )
         self.checkpointer.load(step, names=[n for n in self.checkpointer.states if n not in ("dataloader", "rng")])
         source = RankLocalState(f"rank_{self.dist.rank % saved_world}", self.dataloader)
         load_from(folder, {"dataloader": source})
-        self._log(f"resharded {folder} from {saved_world} to {self.dist.world_size} ranks; data streams restarted")
+        self._log(f"resharded {folder} from {ranks(saved_world)} to {ranks(self.dist.world_size)}; data streams restarted")
 
     def train(self) -> int:
         self.dump_lock = take_dump_lock(self.dump)  # before the first read of the checkpoints: one run per folder
@@ -502,6 +502,11 @@ def export_model(model: RecurrentLM, args: ModelArgs, folder: Path, tokenizer_fo
         return
     write_atomically(folder, lambda tmp: write_model_folder(tmp, args, state, tokenizer_folder), kind="trained")
     print(f"[titan_recur] exported final model to {folder}", flush=True)
+
+
+def ranks(count: int) -> str:
+    """'1 rank', '2 ranks'."""
+    return f"{count} rank{'' if count == 1 else 's'}"
 
 
 def take_dump_lock(dump: Path) -> DumpFolderLock | None:

@@ -49,6 +49,7 @@ class StepWatchdog:
         self._last_done: int | None = None
         self._first = True
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a step started or ended: beat now, not at the next poll
         self._thread = threading.Thread(target=self._run, name="titan_recur-watchdog", daemon=True)
 
     def start(self, store: dist.Store | None = None) -> None:
@@ -60,15 +61,24 @@ class StepWatchdog:
     def step_started(self, step: int) -> None:
         limit = self.timeout_s * (FIRST_STEP_FACTOR if self._first else 1)
         self._current = (step, time.monotonic(), limit)
+        self._wake.set()
 
     def step_finished(self, step: int) -> None:
         self._current, self._last_done, self._first = None, step, False
+        self._wake.set()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        """Beat at every step start and end (so a rank frozen mid-step is seen in that step, not in one a poll
+        behind, as with steps shorter than the poll) and at least every poll; fire on a missed deadline."""
+        while True:
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             self._beat()
             current = self._current
             if current is not None and time.monotonic() - current[1] > current[2]:
