@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import importlib
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,8 @@ CALL_DEFAULTS = ("mean_recurrence", "state_init")
 RECURRENT_PREFIX = "model."
 STATIC_ARCHITECTURES = {"llama": "LlamaForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 GENERATION_CONFIG_FILE = "generation_config.json"
+CONVERSION_FILE = "conversion.json"
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # What the exported models' forward takes from a tokenizer (no token types).
 MODEL_INPUT_NAMES = ("input_ids", "attention_mask")
@@ -173,6 +176,7 @@ def recurrent_hf_config(args: ModelArgs, mean_recurrence: int, state_init: str, 
         "eos_token_id": args.eos_id,
         "pad_token_id": args.pad_id,
         "dtype": dtype,
+        "transformers_version": transformers_version(),
     }
 
 
@@ -224,11 +228,15 @@ def export_hf(
     state_init: str | None = None,
     dtype: str = "float32",
     force: bool = False,
+    source: str | Path | None = None,
+    repo_id: str | None = None,
 ) -> Path:
     """Write the HF folder of ``model``; returns it. Nothing is left behind on failure.
 
     mean_recurrence: default iterations of the export (None: the model's); state_init: default
-    state init (None: the deterministic eval init, ``ModelArgs.eval_state_init``).
+    state init (None: the deterministic eval init, ``ModelArgs.eval_state_init``). source: the folder the
+    model was loaded from, whose provenance (conversion.json) the model card reports; repo_id: the Hub repo
+    the card's usage names (default: the output folder).
     """
     output = Path(output)
     _check_output(output, force)
@@ -251,8 +259,12 @@ def export_hf(
     tensors = progress(state.items(), desc="export", unit="tensor", total=len(state))
     state = {k: v.to(device="cpu", dtype=DTYPES[dtype]) for k, v in tensors}
 
+    special_ids = special_token_ids(args, Path(tokenizer_folder))
+    card = model_card(args, config, special_ids, repo_id or str(output), Path(source) if source is not None else None)
+
     def write(folder: Path) -> None:
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (folder / "README.md").write_text(card)
         save_weights(state, folder)
         if args.is_recurrent:
             shutil.copy(HF_DIR / CONFIG_FILE, folder / CONFIG_FILE)
@@ -260,22 +272,87 @@ def export_hf(
         if not copy_tokenizer_files(Path(tokenizer_folder), folder):
             raise ExportError(f"{tokenizer_folder}: no tokenizer files to export")
         declare_model_inputs(folder)
-        (folder / GENERATION_CONFIG_FILE).write_text(json.dumps(generation_config(args, Path(tokenizer_folder)), indent=2) + "\n")
+        generation = {**special_ids, "transformers_version": transformers_version()}
+        (folder / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
 
     write_atomically(output, write, kind="hf_export")
     return output
 
 
-def generation_config(args: ModelArgs, tokenizer_folder: Path) -> dict[str, Any]:
-    """generation_config.json: the special tokens (transformers 5 reads them from here, not from config.json),
-    the model's, else the tokenizer's. No sampling defaults: transformers' own apply."""
+def special_token_ids(args: ModelArgs, tokenizer_folder: Path) -> dict[str, int | None]:
+    """bos/eos/pad ids of generation_config.json (transformers 5 reads them there, not from config.json): the
+    model's, else the tokenizer's. No sampling defaults are written: transformers' own apply."""
+    tokenizer = load_tokenizer(tokenizer_folder)
+    return {name: ours if ours is not None else getattr(tokenizer, f"{kind}_id")
+            for name, kind, ours in (("bos_token_id", "bos", args.bos_id), ("eos_token_id", "eos", args.eos_id),
+                                     ("pad_token_id", "pad", args.pad_id))}
+
+
+def transformers_version() -> str:
     from transformers import __version__
 
-    tokenizer = load_tokenizer(tokenizer_folder)
-    ids = {name: ours if ours is not None else getattr(tokenizer, f"{kind}_id")
-           for name, kind, ours in (("bos_token_id", "bos", args.bos_id), ("eos_token_id", "eos", args.eos_id),
-                                    ("pad_token_id", "pad", args.pad_id))}
-    return {**ids, "transformers_version": __version__}
+    return __version__
+
+
+def model_card(
+    args: ModelArgs, config: dict[str, Any], special_ids: dict[str, int | None], name: str, source: Path | None
+) -> str:
+    """README.md of an export: Hub metadata (YAML front matter), usage, the depth knobs, the lm_eval command and
+    the model's provenance (the conversion's source and options, when the source folder records them)."""
+    from huggingface_hub import ModelCardData
+
+    provenance = _read_json(source / CONVERSION_FILE) if source is not None else None
+    base = provenance.get("source") if provenance else None
+    base_model = base if base and HUB_ID.fullmatch(base) and not Path(base).exists() else None
+    tags = ["titan_recur", "depth-recurrent", "custom_code"] if args.is_recurrent else ["titan_recur"]
+    data = ModelCardData(base_model=base_model, license="other", library_name="transformers", tags=tags,
+                         pipeline_tag="text-generation")
+    remote = ", trust_remote_code=True" if args.is_recurrent else ""
+    lines = ["---", data.to_yaml(), "---", "", f"# {Path(name).name}", ""]
+    if args.is_recurrent:
+        lines += [
+            f"A depth-recurrent language model made with titan_recur: {args.n_prelude} prelude layers, a core of "
+            f"{args.n_core} layers looped r times (default r = {config['mean_recurrence']}), {args.n_coda} coda "
+            "layers (arXiv 2511.07384, \"Teaching Pretrained Language Models to Think Deeper with Retrofitted "
+            "Recurrence\"). The folder ships its modeling code: it needs torch and transformers (4.57 or 5.x) only.",
+        ]
+    else:
+        lines += [f"A static baseline made with titan_recur: a plain {config['architectures'][0]}."]
+    lines += ["", "## Usage", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+              f"model = AutoModelForCausalLM.from_pretrained({name!r}{remote})",
+              f"tokenizer = AutoTokenizer.from_pretrained({name!r})",
+              'inputs = tokenizer("Question: What is 3 + 4?\\nAnswer:", return_tensors="pt")']
+    if args.is_recurrent:
+        lines += ["print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32, num_steps=16)[0]))", "```", "",
+                  "Depth knobs (per call, or at load time as `from_pretrained(..., num_steps=16)`):", "",
+                  "- `num_steps`: core iterations per token (more think deeper, cost more);",
+                  "- `kv_sharing` (`full`, `latest`, `compress-N`): K/V slots per core block;",
+                  "- `exit_criterion` (`kl`, `latent-diff`, `entropy-diff`, `argmax`), `exit_threshold`, `min_steps`:"
+                  " per-token adaptive depth; `return_dict_in_generate=True` returns each token's iterations"
+                  " (`steps`);",
+                  "- `state_init=\"previous\"`: warm-start each token from the previous token's state.",
+                  "", "`from_pretrained` checks the files against `manifest.json` (xxh3 checksums; "
+                  "`verify_checksums=False` skips it)."]
+    else:
+        lines += ["print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32)[0]))", "```"]
+    lines += ["", "## Evaluation", "", "```", lm_eval_command(name, special_ids["eos_token_id"]), "```"]
+    if provenance:
+        options = ", ".join(f"{k}={v}" for k, v in provenance.get("options", {}).items())
+        lines += ["", "## Provenance", "",
+                  f"Converted from `{base}` ({provenance.get('architecture')}, {provenance.get('n_source_layers')} "
+                  f"layers) with {options}."]
+    return "\n".join(lines) + "\n"
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def lm_eval_command(folder: str | Path, eos_id: int | None, tasks: str = "TASKS") -> str:
+    """The `lm_eval --model hf` command that scores an export as the project's harness does (docs/hf.md):
+    ``prefix_token_id`` is EOS, the token titan_recur conditions documents on (lm_eval defaults to BOS)."""
+    prefix = f",prefix_token_id={eos_id}" if eos_id is not None else ""
+    return f"lm_eval --model hf --model_args pretrained={folder},trust_remote_code=True{prefix} --tasks {tasks}"
 
 
 def declare_model_inputs(folder: Path) -> None:
@@ -284,6 +361,22 @@ def declare_model_inputs(folder: Path) -> None:
     path = folder / TOKENIZER_CONFIG_FILE
     config = json.loads(path.read_text()) if path.is_file() else {}
     path.write_text(json.dumps({**config, "model_input_names": list(MODEL_INPUT_NAMES)}, indent=2) + "\n")
+
+
+def check_repo_id(repo_id: str) -> None:
+    if not HUB_ID.fullmatch(repo_id):
+        raise ExportError(f"--push-to-hub needs a Hub repo id OWNER/NAME, got {repo_id!r}")
+
+
+def push_to_hub(folder: Path, repo_id: str, private: bool = False) -> str:
+    """Upload an export to the Hub repo ``repo_id`` (created if missing); returns the commit's URL."""
+    check_repo_id(repo_id)
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    return str(api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                                 commit_message="Upload titan_recur HF export"))
 
 
 def _check_output(output: Path, force: bool) -> None:
