@@ -39,6 +39,16 @@ result["beams_equal_without_cache"] = beams[0] == beams[1]
 kwargs = {"trust_remote_code": False} if transformers.__version__.startswith("5.") else {}
 tokenizer = AutoTokenizer.from_pretrained(export, **kwargs)
 result["tokenizer"] = [type(tokenizer).__name__, tokenizer("What is 3 + 4?").input_ids]
+# What users pass straight on (docs/hf.md's recipes): the tokenizer's output, and a collated Trainer batch.
+encoded = tokenizer("What is 3 + 4?", return_tensors="pt")
+result["model_inputs"] = sorted(encoded.keys())
+with torch.no_grad():
+    model(**encoded)
+model.generate(**encoded, max_new_tokens=2)
+from transformers import DataCollatorForLanguageModeling
+tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+collated = DataCollatorForLanguageModeling(tokenizer, mlm=False)([tokenizer(t) for t in ("a b c", "What is 3 + 4?")])
+result["trainer_loss"] = float(model(**collated).loss)
 model.train()
 grads = []
 for checkpointing in (False, True):
@@ -88,5 +98,6 @@ def test_export_runs_on_transformers(
     expected_ids = load_tokenizer(model_dir).encode("What is 3 + 4?", bos=True, eos=False)
     tokenizer_class = "PreTrainedTokenizerFast" if version == "4.57" else "TokenizersBackend"
     assert result["tokenizer"] == [tokenizer_class, expected_ids]
+    assert result["model_inputs"] == ["attention_mask", "input_ids"] and result["trainer_loss"] > 0
     assert result["every_parameter_gets_grad"] and result["checkpointed_grads_equal"]
     assert result["sampled_step_trains_the_core"]

@@ -8,7 +8,7 @@ Examples:
 A recurrent model loads with
   model = AutoModelForCausalLM.from_pretrained(OUTPUT, trust_remote_code=True)
   model(ids, num_steps=32); model.generate(ids, num_steps=32)
-and works with `lm_eval --model hf --model_args pretrained=OUTPUT,trust_remote_code=True`. The folder
+and works with the `lm_eval --model hf ...` command the tool prints (docs/hf.md). The folder
 ships its own modeling code (titan_recur's, inlined): titan_recur need not be installed to use it.
 A static baseline (no recurrent core) is exported as the source family's plain HF model.
 Errors are one line, exit code 2, and nothing is written.
@@ -17,12 +17,13 @@ Errors are one line, exit code 2, and nothing is written.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from titan_recur.storage.checkpoint import CheckpointError
 from titan_recur.eval.loading import DTYPES, default_tokenizer_folder, load_checkpoint
-from titan_recur.hf.export import export_hf
+from titan_recur.hf.export import GENERATION_CONFIG_FILE, check_repo_id, export_hf, lm_eval_command, push_to_hub
 from titan_recur.models.args import STATE_INITS
 from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 
@@ -43,20 +44,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: deterministic, zero; 'embed' models keep embed)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights dtype (default float32)")
     parser.add_argument("--force", action="store_true", help="overwrite a previous export in OUTPUT")
+    parser.add_argument("--push-to-hub", metavar="REPO",
+                        help="then upload OUTPUT to the Hub repo OWNER/NAME (created if missing; needs a login)")
+    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     return parser
 
 
 def run(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.push_to_hub is not None:
+        check_repo_id(args.push_to_hub)  # before anything is written
     tokenizer_folder = args.tokenizer or default_tokenizer_folder(args.checkpoint, args.model_config)
     model = load_checkpoint(args.checkpoint, args.model_config)
     check_vocab(load_tokenizer(tokenizer_folder), model.args.vocab_size)
     export_hf(
         model, args.output, tokenizer_folder=tokenizer_folder, mean_recurrence=args.mean_recurrence,
         state_init=args.state_init, dtype=args.dtype, force=args.force,
+        source=args.model_config or args.checkpoint, repo_id=args.push_to_hub,
     )
     kind = "recurrent (trust_remote_code)" if model.args.is_recurrent else "static"
     print(f"wrote {kind} HF model to {args.output}")
+    eos_id = json.loads((args.output / GENERATION_CONFIG_FILE).read_text())["eos_token_id"]
+    print(f"evaluate it as the project's harness does:\n  {lm_eval_command(args.output, eos_id)}")
+    if args.push_to_hub is not None:
+        print(f"uploaded to {push_to_hub(args.output, args.push_to_hub, private=args.private)}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,18 +15,21 @@ cache rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import transformers
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.blocks import AttentionContext
 from titan_recur.models.cache import KVCache
-from titan_recur.inference.engine import GenerationOptions, generate
+from titan_recur.inference.engine import WARM_START, GenerationOptions, generate
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, NumSteps, RecurrentLM, resolve_num_steps
 from titan_recur.training.recurrence import DEFAULT_SEED, DEFAULT_SIGMA, RecurrenceSampler
@@ -169,6 +172,7 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         num_steps: NumSteps = None,
         state_init: str | None = None,
         cache: KVCache | None = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> CausalLMOutputWithPast:
         """Logits of the iterations ``resolve_depth`` gives; ``labels`` (unshifted, -100 ignored) add the mean
         next-token loss.
@@ -177,14 +181,16 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         after each core iteration and each coda block's output, the last after the final norm.
         state_init: default ``config.state_init`` in eval mode, the architecture's training init in train mode.
         The output is always a ModelOutput (``return_dict`` is accepted because transformers passes it).
+        token_type_ids (which transformers 4.x tokenizers return) must be all zero: the model has one token type.
         """
         if output_attentions:
             raise ValueError("output_attentions is not supported: attention runs in scaled_dot_product_attention")
+        if token_type_ids is not None and bool(token_type_ids.any()):
+            raise ValueError("token_type_ids must be all zero (or omitted): the model has a single token type")
         cache = cache if cache is not None else past_key_values
         depth = self.resolve_depth(num_steps)
         if use_cache and cache is None:  # sized for this call; it grows as generation goes on
-            tokens = input_ids if input_ids is not None else inputs_embeds
-            cache = KVCache.for_model(self.model, tokens.shape[0], tokens.shape[1], num_steps=sum(depth))
+            cache = self.new_cache(input_ids if input_ids is not None else inputs_embeds, sum(depth))
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         states: list[torch.Tensor] = []
@@ -241,6 +247,8 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         *,
+        generation_config: GenerationConfig | None = None,
+        generator: torch.Generator | None = None,
         num_steps: int | None = None,
         kv_sharing: str = "full",
         exit_criterion: str | None = None,
@@ -248,59 +256,160 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         min_steps: int = 1,
         check_every: int = 1,
         state_init: str | None = None,
-        seed: int = 0,
-        **kwargs,
-    ) -> torch.LongTensor:
-        """Prompt + new tokens (B, T + N), as transformers' generate returns them.
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> torch.LongTensor | ModelOutput:
+        """Prompt + new tokens (B, T + N), or with ``return_dict_in_generate`` a ``TitanRecurGenerateOutput``.
 
-        Greedy and sampled decoding (num_beams = 1) run titan_recur's engine with its test-time depth
-        knobs: num_steps (default config.num_steps, else config.mean_recurrence), kv_sharing,
-        exit_criterion, exit_threshold, min_steps, check_every, state_init ("previous": warm start), seed (sampling). Supported
-        transformers arguments: max_new_tokens, max_length, do_sample, temperature, top_p,
-        eos_token_id, pad_token_id, stopping_criteria, use_cache. Anything else (beam search, ...)
-        goes through transformers' generate and ``forward`` at depth num_steps.
+        The generation config is resolved as transformers' generate resolves it (``generation_config``
+        or the model's, then the call's kwargs, then transformers' defaults). Greedy and sampled decoding
+        (temperature, top_p; sampling with top_k only when top_k is 0 or None) run titan_recur's engine with its
+        test-time depth knobs: num_steps (default config.num_steps, else config.mean_recurrence), kv_sharing,
+        exit_criterion, exit_threshold, min_steps, check_every, state_init ("previous": warm start). Anything
+        else (beam search, top_k, repetition_penalty, assisted decoding, logits processors, ...) runs
+        transformers' generate through ``forward`` at depth num_steps. Sampling draws from ``generator``, else
+        from torch's global RNG (``torch.manual_seed``), else from ``seed`` when given.
         """
-        config = self.generation_config
-        if (kwargs.get("num_beams") or config.num_beams or 1) > 1 or set(kwargs) - _ENGINE_KWARGS:
-            if kv_sharing != "full" or exit_criterion is not None or state_init == "previous":
-                raise ValueError("kv_sharing, exit_criterion and warm start need greedy or sampled decoding (num_beams=1)")
-            return super().generate(input_ids, attention_mask=attention_mask, num_steps=num_steps,
-                                    state_init=state_init, **kwargs)
+        config, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
+        served_inputs = {k: v for k, v in model_kwargs.items() if k not in IGNORED_INPUTS}
+        stopping_criteria = served_inputs.pop("stopping_criteria", None)
+        blockers = self.engine_blockers(config, served_inputs, input_ids)
+        sample = bool(config.do_sample)
+        if sample and seed is None:  # the engine's sampling generator is seeded by a draw from torch's RNG
+            device = generator.device if generator is not None else "cpu"
+            seed = int(torch.randint(2**62, (), generator=generator, device=device))
+        if blockers:
+            if kv_sharing != "full" or exit_criterion is not None or state_init == WARM_START:
+                raise ValueError(
+                    f"kv_sharing, exit_criterion and warm start run in titan_recur's engine, which cannot serve "
+                    f"{', '.join(blockers)} (it serves greedy and sampled decoding: temperature, top_p)"
+                )
+            return self.transformers_generate(input_ids, attention_mask, generation_config, config, seed, num_steps,
+                                              state_init, kwargs)
         width = input_ids.shape[1]
-        max_new_tokens = kwargs.get("max_new_tokens") or config.max_new_tokens
-        if max_new_tokens is None:
-            max_new_tokens = (kwargs.get("max_length") or config.max_length) - width
-        eos = kwargs.get("eos_token_id", None)
-        eos = config.eos_token_id if eos is None else eos
+        max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - width
+        eos = config.eos_token_id
         eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        pad = kwargs.get("pad_token_id", config.pad_token_id)
-        sample = kwargs.get("do_sample", config.do_sample)
+        pad = config.pad_token_id if config.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
         options = GenerationOptions(
             max_new_tokens=max_new_tokens, num_steps=num_steps or self.call_default("num_steps") or self.config.mean_recurrence,
             kv_sharing=kv_sharing, exit_criterion=exit_criterion, exit_threshold=exit_threshold, min_steps=min_steps,
             check_every=check_every, state_init=state_init or self.config.state_init,
-            temperature=kwargs.get("temperature", config.temperature) if sample else 0.0,
-            top_p=kwargs.get("top_p", config.top_p) if sample else 1.0, seed=seed,
-            eos_id=eos_ids[0] if eos_ids else None,
+            temperature=config.temperature if sample else 0.0, top_p=config.top_p if sample else 1.0,
+            seed=seed if sample else 0, eos_id=eos_ids[0] if eos_ids else None,
         )
-        criteria = kwargs.get("stopping_criteria")
         more_eos = torch.tensor(eos_ids[1:], dtype=torch.long, device=input_ids.device)
 
         def stop(new_tokens: torch.Tensor) -> torch.Tensor:
             done = torch.isin(new_tokens[:, -1], more_eos)
-            if criteria:
-                done = done | criteria(torch.cat([input_ids, new_tokens], dim=1), None)
+            if stopping_criteria:
+                done = done | stopping_criteria(torch.cat([input_ids, new_tokens], dim=1), None)
             return done
 
         out = generate(self.model, input_ids, options, attention_mask=attention_mask,
-                       stop=stop if criteria or more_eos.numel() else None)
+                       stop=stop if stopping_criteria or more_eos.numel() else None,
+                       return_logits=bool(config.output_logits))
         tokens = out.tokens
         if pad is not None:  # as transformers does: pad after a row finished
             columns = torch.arange(tokens.shape[1], device=tokens.device)
             tokens = tokens.masked_fill(columns >= out.lengths[:, None], pad)
-        return torch.cat([input_ids, tokens], dim=1)
+        sequences = torch.cat([input_ids, tokens], dim=1)
+        if not config.return_dict_in_generate:
+            return sequences
+        logits = tuple(out.logits.unbind(1)) if config.output_logits else None
+        return TitanRecurGenerateOutput(sequences=sequences, logits=logits, steps=out.steps)
+
+    def engine_blockers(
+        self, config: GenerationConfig, model_kwargs: dict[str, Any], input_ids: torch.Tensor | None
+    ) -> list[str]:
+        """What of a generate call titan_recur's engine cannot serve (empty: the engine runs it)."""
+        blockers = [f"{k}={v!r}" for k, v in model_kwargs.items() if v is not None and not (isinstance(v, list) and not v)]
+        mode = config.get_generation_mode(model_kwargs.get("assistant_model"))
+        if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+            blockers.append(f"{mode.value} decoding")
+        defaults = default_generation_config().to_dict()
+        blockers += [
+            f"{k}={v!r}" for k, v in config.to_dict().items()
+            if k not in ENGINE_CONFIG_FIELDS and not k.startswith("_") and v != defaults.get(k)
+        ]
+        if config.do_sample and config.top_k not in (None, 0) and config.top_k < self.model.args.vocab_size:
+            blockers.append(f"top_k={config.top_k} (pass top_k=0 to sample with temperature and top_p only)")
+        if input_ids is None:
+            blockers.append("no input_ids")
+        elif self.model.embed_tokens.weight.device != input_ids.device:
+            # The engine allocates its cache on the embedding's device: not where an offloaded embedding runs.
+            blockers.append(f"the embedding on {self.model.embed_tokens.weight.device.type} (offloaded)")
+        return blockers
+
+    def transformers_generate(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        generation_config: GenerationConfig | None,
+        config: GenerationConfig,
+        seed: int | None,
+        num_steps: int | None,
+        state_init: str | None,
+        kwargs: dict[str, Any],
+    ) -> torch.LongTensor | ModelOutput:
+        """transformers' generate through ``forward``; sampling from ``seed`` when given (the caller's generator)."""
+        if config.get_generation_mode(kwargs.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION:
+            # Assisted decoding verifies drafts in a cache it crops: it needs one before the first forward.
+            depth = sum(self.resolve_depth(num_steps))
+            kwargs = {CACHE_FIELD: self.new_cache(input_ids, depth), **kwargs}
+        devices = [input_ids.device] if input_ids is not None and input_ids.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            return super().generate(input_ids, attention_mask=attention_mask, generation_config=generation_config,
+                                    num_steps=num_steps, state_init=state_init, **kwargs)
+
+    def new_cache(self, tokens: torch.Tensor, num_steps: int) -> KVCache:
+        """A cache sized for ``tokens`` (B, T[, d]) on their device: where the model runs, also when accelerate
+        offloads the embedding (its weight is then a placeholder on "meta"); the embedding's dtype."""
+        a = self.model.args
+        return TransformersKVCache(
+            batch_size=tokens.shape[0], capacity=tokens.shape[1], n_prelude=a.n_prelude, n_core=a.n_core,
+            n_coda=a.n_coda, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, num_steps=num_steps,
+            dtype=self.model.embed_tokens.weight.dtype, device=tokens.device,
+        )
 
 
-# transformers' generate arguments the engine path serves (see TitanRecurForCausalLM.generate).
-_ENGINE_KWARGS = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_p", "eos_token_id", "pad_token_id",
-                  "stopping_criteria", "use_cache", "num_beams"}
+class TransformersKVCache(KVCache):
+    """titan_recur's KVCache with what transformers' generate asks of a cache beyond it (assisted decoding)."""
+
+    is_croppable = True
+    is_compileable = False  # transformers' generate compiles the forward of static caches only
+
+    def activate_past_recording(self) -> None:
+        """transformers 5 calls it before verifying drafts; every written column stays until ``crop``."""
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers 5's crop: drop the last ``-tokens_to_remove`` columns (0: none), the rejected drafts'."""
+        super().crop(self.length - abs(tokens_to_remove))
+
+
+@dataclass
+class TitanRecurGenerateOutput(GenerateDecoderOnlyOutput):
+    """transformers' decoder-only generate output, plus ``steps`` (B, N): the core iterations each new token ran
+    (below num_steps where it exited early; 0 after its row finished)."""
+
+    steps: torch.LongTensor | None = None
+
+
+def default_generation_config() -> GenerationConfig:
+    """transformers' generation defaults (5.x keeps unset fields None and fills these in at generate time)."""
+    config = GenerationConfig()
+    if hasattr(config, "_get_default_generation_params"):
+        config.update(**config._get_default_generation_params(), defaults_only=True)
+    return config
+
+
+# Generation config fields the engine serves; any other field away from transformers' default asks for a
+# transformers strategy (top_k is checked apart: it matters when sampling only).
+ENGINE_CONFIG_FIELDS = {
+    "max_length", "max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "num_beams", "eos_token_id",
+    "pad_token_id", "bos_token_id", "use_cache", "return_dict_in_generate", "output_logits", "transformers_version",
+}
+# Inputs the engine path accepts and ignores: transformers 4.x tokenizers return token_type_ids.
+IGNORED_INPUTS = {"token_type_ids"}

@@ -1,0 +1,139 @@
+"""The export's generate behaves like transformers' own: the generation config resolved as transformers resolves
+it, sampling from torch's RNG, harmless kwargs passed through, per-token depths returned, assisted decoding,
+offloaded embeddings (docs/hf.md, "Generation")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_hf_training import MEAN, batch, exported, load, model_dir  # noqa: F401  (fixtures)
+from titan_recur import greedy_generate, load_model
+from titan_recur.inference.engine import GenerationOptions
+from titan_recur.inference.engine import generate as engine_generate
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+
+
+def test_sampling_without_temperature_or_top_p(exported: Path, model_dir: Path) -> None:  # noqa: F811
+    """`do_sample=True` alone (generate and pipeline) samples; the engine path (top_k=0) is titan_recur's sampler."""
+    from transformers import pipeline
+
+    model, tok = load(exported).eval(), tokenizer(exported)
+    enc = tok("Question: What is 3 + 4?", return_tensors="pt")
+    width = enc.input_ids.shape[1]
+    sampled = model.generate(**enc, do_sample=True, max_new_tokens=5)  # transformers' sampler (top_k=50)
+    assert sampled.shape == (1, width + 5)
+    text = pipeline("text-generation", model=model, tokenizer=tok)("Question:", do_sample=True, max_new_tokens=4)
+    assert text[0]["generated_text"].startswith("Question:")
+    ours = model.generate(**enc, do_sample=True, top_k=0, top_p=0.9, max_new_tokens=6, seed=7)[:, width:]
+    options = GenerationOptions(max_new_tokens=6, num_steps=MEAN, temperature=1.0, top_p=0.9, seed=7,
+                                eos_id=tok.eos_token_id, state_init="zero")
+    expected = engine_generate(load_model(model_dir), enc.input_ids, options, attention_mask=enc.attention_mask)
+    assert torch.equal(ours, expected.tokens)
+
+
+def test_generation_config_is_resolved_as_transformers_does(exported: Path, model_dir: Path) -> None:  # noqa: F811
+    """A `generation_config` argument, the model's generation config and transformers' defaults (max_length 20)."""
+    from transformers import GenerationConfig
+
+    model = load(exported).eval()
+    ids = batch(shape=(2, 6))
+    reference = greedy_generate(load_model(model_dir), ids, 14, num_steps=MEAN)
+    by_config = model.generate(ids, generation_config=GenerationConfig(max_new_tokens=5, eos_token_id=None))
+    assert torch.equal(by_config[:, 6:], reference[:, :5])
+    model.generation_config.eos_token_id = None
+    assert torch.equal(model.generate(ids)[:, 6:], reference)  # max_length 20: 14 new tokens
+    model.generation_config.max_new_tokens = 3
+    assert torch.equal(model.generate(ids)[:, 6:], reference[:, :3])
+
+
+def test_export_ships_a_generation_config(exported: Path) -> None:  # noqa: F811
+    """generation_config.json names the special tokens (transformers 5 does not read them from config.json)."""
+    model = load(exported)
+    assert (exported / "generation_config.json").is_file()
+    assert (model.generation_config.bos_token_id, model.generation_config.eos_token_id) == (1, 2)
+    assert model.generation_config.pad_token_id == 0
+
+
+@pytest.mark.parametrize("engine", [True, False])
+def test_sampling_follows_torch_rng_and_a_generator(exported: Path, engine: bool) -> None:  # noqa: F811
+    """Different samples under different torch.manual_seed, identical under the same; a passed generator too."""
+    model = load(exported).eval()
+    ids = batch(shape=(2, 4))
+    kwargs = dict(do_sample=True, max_new_tokens=12, eos_token_id=None, top_k=0 if engine else 50)
+
+    def sample(seed: int) -> torch.Tensor:
+        torch.manual_seed(seed)
+        return model.generate(ids, **kwargs)
+
+    assert torch.equal(sample(0), sample(0))
+    assert not torch.equal(sample(0), sample(1))
+    with_generator = [model.generate(ids, generator=torch.Generator().manual_seed(s), **kwargs) for s in (3, 3, 4)]
+    assert torch.equal(with_generator[0], with_generator[1]) and not torch.equal(with_generator[0], with_generator[2])
+
+
+def test_token_type_ids_are_accepted(exported: Path) -> None:  # noqa: F811
+    """What transformers 4.x tokenizers return: zero token types change nothing; others are refused."""
+    model = load(exported).eval()
+    assert tokenizer(exported).model_input_names == ["input_ids", "attention_mask"]
+    ids = batch()
+    zeros = torch.zeros_like(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, token_type_ids=zeros).logits, model(ids).logits, rtol=0, atol=0)
+        with pytest.raises(ValueError, match="token_type_ids must be all zero"):
+            model(ids, token_type_ids=zeros + 1)
+    common = dict(max_new_tokens=4, eos_token_id=None)
+    assert torch.equal(model.generate(ids, token_type_ids=zeros, **common), model.generate(ids, **common))
+    beams = dict(num_beams=2, **common)
+    assert torch.equal(model.generate(ids, token_type_ids=zeros, **beams), model.generate(ids, **beams))
+
+
+def test_exit_criterion_with_harmless_kwargs_returns_the_depths(exported: Path, model_dir: Path) -> None:  # noqa: F811
+    """exit_criterion with return_dict_in_generate and token_type_ids runs the engine; `steps` are its depths."""
+    model = load(exported).eval()
+    ids = batch(shape=(2, 5))
+    knobs = dict(num_steps=6, exit_criterion="latent-diff", exit_threshold=0.3)
+    out = model.generate(ids, max_new_tokens=8, eos_token_id=None, return_dict_in_generate=True, output_logits=True,
+                         token_type_ids=torch.zeros_like(ids), **knobs)
+    options = GenerationOptions(max_new_tokens=8, state_init="zero", **knobs)
+    expected = engine_generate(load_model(model_dir), ids, options, return_logits=True)
+    assert torch.equal(out.sequences[:, 5:], expected.tokens)
+    assert torch.equal(out.steps, expected.steps) and bool((out.steps < 6).any())
+    torch.testing.assert_close(torch.stack(out.logits, dim=1), expected.logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="cannot serve beam_search decoding"):
+        model.generate(ids, max_new_tokens=2, num_beams=2, **knobs)
+
+
+def test_prompt_lookup_decoding_equals_greedy(exported: Path, model_dir: Path) -> None:  # noqa: F811
+    """Assisted decoding (prompt lookup) drafts tokens, verifies them and crops the cache: greedy's tokens."""
+    model = load(exported).eval()
+    ids = torch.cat([batch(shape=(1, 6))] * 3, dim=1)  # repeated n-grams: lookups find drafts
+    expected = greedy_generate(load_model(model_dir), ids, 16, num_steps=MEAN)
+    looked_up = model.generate(ids, max_new_tokens=16, prompt_lookup_num_tokens=3, eos_token_id=None)
+    assert torch.equal(looked_up[:, ids.shape[1]:], expected)
+
+
+def test_generate_with_the_embedding_offloaded_to_disk(exported: Path, tmp_path: Path) -> None:  # noqa: F811
+    """accelerate disk offload with embed_tokens on disk: greedy and sampled generate equal the in-memory model's."""
+    device_map = {"model.embed_tokens": "disk", "model.prelude": "cpu", "model.core": "disk", "model.coda": "cpu",
+                  "model.norm": "disk", "model.lm_head": "disk"}
+    offloaded = load(exported, device_map=device_map, offload_folder=str(tmp_path)).eval()
+    assert offloaded.model.embed_tokens.weight.device.type == "meta"
+    in_memory = load(exported).eval()
+    ids = batch(shape=(2, 5))
+    for kwargs in (dict(do_sample=False), dict(do_sample=True, generator=torch.Generator().manual_seed(0))):
+        expected = in_memory.generate(ids, max_new_tokens=6, eos_token_id=None, **kwargs)
+        kwargs = {**kwargs, "generator": torch.Generator().manual_seed(0)} if kwargs["do_sample"] else kwargs
+        assert torch.equal(offloaded.generate(ids, max_new_tokens=6, eos_token_id=None, **kwargs), expected)
