@@ -13,6 +13,7 @@ import json
 import shutil
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from titan_recur.models.args import ModelArgs
 from titan_recur.models.cache import KVCache
 from titan_recur.inference.engine import EXIT_CRITERIA, GenerationOptions, generate, left_pad
 from titan_recur.storage.model_io import save_model
-from titan_recur.models.model import RecurrentLM
+from titan_recur.models.model import Decoding, RecurrentLM
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 97
@@ -86,7 +87,13 @@ class ListCache:
         self.columns = range(self.length, self.length + seqlen)
         return self.length + seqlen
 
-    def update(self, slot, iteration, k, v):
+    def advance(self, seqlen: int) -> None:
+        self.length += seqlen
+
+    def iteration_view(self, iteration: int) -> SimpleNamespace:
+        return SimpleNamespace(update=lambda slot, k, v: self.update(slot, k, v, iteration))
+
+    def update(self, slot, k, v, iteration=0):
         key = (*slot, iteration % self.slots_per_block if slot[0] == "core" else 0)
         keys, values = self.lists.setdefault(key, ([], []))
         for t, column in enumerate(self.columns):
@@ -105,7 +112,7 @@ def test_kv_sharing_equals_list_reference(model: RecurrentLM, kv_sharing: str, s
     cache, expected = ListCache(slots), []
     with torch.no_grad():
         for start, end in [(0, 4), *((t, t + 1) for t in range(4, 9))]:
-            expected.append(model(seq[:, start:end], r, cache=cache, state_init="zero")[:, -1])
+            expected.append(model(seq[:, start:end], r, state_init="zero", decoding=Decoding(cache=cache))[:, -1])
     torch.testing.assert_close(out.logits, torch.stack(expected, dim=1), atol=ATOL, rtol=0)
     full = generate(model, seq[:, :4], GenerationOptions(max_new_tokens=6, num_steps=r),
                     forced_tokens=seq[:, 4:], return_logits=True)
@@ -241,10 +248,9 @@ def test_exited_rows_do_not_write_and_skipped_slots_hold_the_last_kv() -> None:
                         num_steps=4, kv_sharing=kv_sharing)
         cache.begin(1)
         for i in range(4):
-            cache.write_rows = torch.tensor([True, i < 2])
             value = torch.full((2, 1, 1, 1), float(i + 1))
-            cache.update(("core", 0), i, value, -value)
-        cache.write_rows = None
+            with cache.writes_only(torch.tensor([True, i < 2])):
+                cache.iteration_view(i).update(("core", 0), value, -value)
         cache.fill_skipped(torch.tensor([4, 2]))
         keys, values = cache.buffers[("core", 0)]
         assert keys.shape[0] == slots
@@ -325,10 +331,10 @@ def test_warm_start_continues_from_the_previous_tokens_state(model: RecurrentLM)
     original = model.core.initial_state
     try:
         with torch.no_grad():
-            expected.append(model(seq[:, :4], r, cache=cache, state_init="zero")[:, -1])
+            expected.append(model(seq[:, :4], r, state_init="zero", decoding=Decoding(cache=cache))[:, -1])
             for t in range(4, 8):
                 model.core.initial_state = lambda embedded, init, previous=finals[-1]: previous
-                expected.append(model(seq[:, t : t + 1], r, cache=cache)[:, -1])
+                expected.append(model(seq[:, t : t + 1], r, decoding=Decoding(cache=cache))[:, -1])
     finally:
         model.core.initial_state = original
         hook.remove()

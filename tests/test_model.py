@@ -23,7 +23,7 @@ from titan_recur.inference.engine import greedy_generate
 from titan_recur.storage.manifest import seal_folder
 from titan_recur.storage.model_io import WEIGHTS_NAME, load_model, save_model
 from titan_recur.models.loss import cross_entropy_loss
-from titan_recur.models.model import RecurrentLM, resolve_num_steps
+from titan_recur.models.model import Decoding, RecurrentLM, resolve_num_steps
 from titan_recur.models.rope import rope_cos_sin, rope_inverse_frequencies
 
 VOCAB = 97
@@ -339,10 +339,10 @@ def test_incremental_decoding_matches_full_forward(block_type):
     with torch.no_grad():
         full = model(seq, r, state_init="zero")
         cache = KVCache.for_model(model, 2, prefill, num_steps=r)  # too small: it grows as decoding goes
-        out = model(seq[:, :prefill], r, cache=cache, state_init="zero")
+        out = model(seq[:, :prefill], r, state_init="zero", decoding=Decoding(cache=cache))
         torch.testing.assert_close(out, full[:, :prefill], atol=TOL, rtol=0)
         for t in range(prefill, seq.shape[1]):
-            out = model(seq[:, t:t + 1], r, cache=cache, state_init="zero")
+            out = model(seq[:, t:t + 1], r, state_init="zero", decoding=Decoding(cache=cache))
             torch.testing.assert_close(out[:, 0], full[:, t], atol=TOL, rtol=0, msg=f"step {t}")
         assert cache.length == seq.shape[1]
         # one KV slot per prelude block, per (core block, iteration), per coda block

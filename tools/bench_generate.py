@@ -45,12 +45,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 from titan_recur import ModelArgs, RecurrentLM
 from titan_recur.inference.engine import GenerationOptions, generate
+from titan_recur.models.model import Decoding
 
 
 class ConcatKVCache:
@@ -63,7 +65,13 @@ class ConcatKVCache:
     def begin(self, seqlen: int) -> int:
         return self.length + seqlen
 
-    def update(self, slot, iteration, k, v):
+    def advance(self, seqlen: int) -> None:
+        self.length += seqlen
+
+    def iteration_view(self, iteration: int) -> SimpleNamespace:
+        return SimpleNamespace(update=lambda slot, k, v: self.update(slot, k, v, iteration))
+
+    def update(self, slot, k, v, iteration=0):
         key = (*slot, iteration if slot[0] == "core" else 0)
         if key in self.slots:
             past_k, past_v = self.slots[key]
@@ -82,7 +90,8 @@ def concat_generate(model: RecurrentLM, input_ids: torch.Tensor, new_tokens: int
     cache = ConcatKVCache()
     step_input = input_ids
     for _ in range(new_tokens):
-        logits = model(step_input, num_steps, attention_mask=attention_mask, cache=cache, state_init="zero")
+        logits = model(step_input, num_steps, attention_mask=attention_mask, state_init="zero",
+                       decoding=Decoding(cache=cache))
         step_input = logits[:, -1].argmax(dim=-1)[:, None]
         attention_mask = torch.cat([attention_mask, torch.ones_like(step_input)], dim=1)
     return cache.nbytes()

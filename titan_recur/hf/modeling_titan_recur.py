@@ -31,7 +31,7 @@ from titan_recur.models.blocks import AttentionContext
 from titan_recur.models.cache import KVCache
 from titan_recur.inference.engine import WARM_START, GenerationOptions, generate
 from titan_recur.models.loss import cross_entropy_loss
-from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, NumSteps, RecurrentLM, resolve_num_steps
+from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, Decoding, NumSteps, RecurrentLM, resolve_num_steps
 from titan_recur.training.recurrence import DEFAULT_SEED, DEFAULT_SIGMA, RecurrenceSampler
 
 from .configuration_titan_recur import TitanRecurConfig
@@ -198,11 +198,10 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             input_ids,
             depth,
             attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
             state_init=state_init or (None if self.training else self.config.state_init),
             inputs_embeds=inputs_embeds,
             on_hidden_state=states.append if output_hidden_states else None,
+            decoding=Decoding(cache=cache, position_ids=position_ids),
         )
         loss = None if labels is None else cross_entropy_loss(logits[:, :-1], labels[:, 1:])
         return CausalLMOutputWithPast(

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from titan_recur.models.args import STATE_INITS, ModelArgs
 from titan_recur.models.blocks import AttentionContext
-from titan_recur.models.cache import IterationView, KVCache, core_slots_per_block
-from titan_recur.models.model import RecurrentLM
+from titan_recur.models.cache import KVCache, core_slots_per_block
+from titan_recur.models.model import CoreResult, Decoding, RecurrentLM, iteration_contexts
 
 EXIT_CRITERIA = ("kl", "latent-diff", "entropy-diff", "argmax")
 # Huginn's defaults (KL and entropy change in nats, relative latent change, argmax stable for 5 checks).
@@ -42,7 +42,13 @@ class GenerationOptions:
     threshold ("argmax": unchanged for >= threshold checks). The prompt always runs r iterations.
     state_init: a STATE_INITS name, or "previous" (decoded tokens start from the previous token's
     final state; the prompt from the deterministic eval init); None = the eval init.
-    temperature 0 is greedy; otherwise sampling with top_p from a generator seeded by ``seed``.
+    temperature 0 is greedy; otherwise sampling with top_p, drawing from ``generator`` (None: torch's
+    global RNG, so ``torch.manual_seed`` governs it, as in transformers), or from a generator seeded
+    with ``seed`` where one is given (give at most one of the two).
+    draft_steps, lookahead: speculative decoding over depth (docs/generation.md): each round drafts
+    ``lookahead`` tokens at ``draft_steps`` iterations, verifies them at num_steps in one forward over
+    the block, and keeps the longest prefix the target agrees with (greedy: the same tokens as plain
+    decoding at num_steps; sampling: the same distribution). None = plain decoding.
     compile: run decoded tokens' core iterations through ``torch.compile``, ``iterations_per_call`` of
     them per compiled call (the run of iterations up to the next exit check, split into pieces of at
     most that many): one graph per piece length, for every token (the key length is symbolic; see
@@ -60,10 +66,13 @@ class GenerationOptions:
     state_init: str | None = None
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = None
+    generator: torch.Generator | None = None
     eos_id: int | None = None
     compile: bool = False
     iterations_per_call: int = 8
+    draft_steps: int | None = None
+    lookahead: int = 4
 
     def resolve(self, args: ModelArgs) -> "GenerationOptions":
         """A copy with the model's defaults filled in; a one-line ValueError for any bad knob."""
@@ -105,6 +114,32 @@ class GenerationOptions:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and self.generator is not None:
+            raise ValueError("give seed or generator, not both")
+        if not _is_int(self.lookahead) or self.lookahead < 1:
+            raise ValueError(f"lookahead must be an integer >= 1, got {self.lookahead!r}")
+        if self.draft_steps is not None:
+            self._check_speculative(args)
+
+    def _check_speculative(self, args: ModelArgs) -> None:
+        """Speculative decoding: a draft shallower than the target, where a block verify is exact."""
+        if not _is_int(self.draft_steps) or not 1 <= self.draft_steps < self.num_steps:
+            raise ValueError(
+                f"draft_steps must be an integer in [1, num_steps - 1 = {self.num_steps - 1}] (a draft shallower "
+                f"than the target), got {self.draft_steps!r}"
+            )
+        if not args.is_recurrent:
+            raise ValueError("draft_steps needs a recurrent model; a static model has one depth")
+        if core_slots_per_block(self.kv_sharing, self.num_steps) < self.num_steps:
+            raise ValueError(
+                f"draft_steps needs kv_sharing 'full' (or compress-N with N >= num_steps), got {self.kv_sharing!r}: "
+                "with shared slots a verified block sees other iterations' K/V than token-by-token decoding"
+            )
+        if self.exit_criterion is not None:
+            raise ValueError("draft_steps does not combine with exit_criterion: the target verifies at a fixed depth")
+        if self.state_init == WARM_START:
+            raise ValueError("draft_steps does not combine with state_init='previous': a warm start chains "
+                             "positions, which a block verify computes together")
 
     def is_check(self, iteration: int) -> bool:
         """Whether a token may exit after ``iteration`` (1-based) core iterations."""
@@ -126,7 +161,7 @@ class GenerationOutput:
     coda + head evaluations per token (1, plus one per check for the logit-based exit criteria);
     lengths (B,): tokens each row generated before it finished (its EOS, or the token completing a
     stop sequence, included); kv_cache_bytes: the allocated K/V buffers; logits (B, N, V) fp32 when
-    asked for."""
+    asked for; speculation: what speculative decoding drafted, accepted and spent (None otherwise)."""
 
     tokens: torch.Tensor
     steps: torch.Tensor
@@ -134,6 +169,7 @@ class GenerationOutput:
     lengths: torch.Tensor
     kv_cache_bytes: int
     logits: torch.Tensor | None = None
+    speculation: "SpeculationStats | None" = None
 
 
 def check_prompts(attention_mask: torch.Tensor, max_new_tokens: int, max_seq_len: int) -> None:
@@ -171,6 +207,13 @@ def generate(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     check_prompts(attention_mask, opts.max_new_tokens, model.args.max_seq_len)
+    generator = opts.generator
+    if opts.seed is not None and opts.temperature > 0:
+        generator = torch.Generator(input_ids.device).manual_seed(opts.seed)
+    if opts.draft_steps is not None:
+        if forced_tokens is not None:
+            raise ValueError("forced_tokens feeds every token back: there is nothing to draft (drop draft_steps)")
+        return _generate_speculative(model, input_ids, attention_mask, opts, generator, stop, return_logits)
     bsz, width = input_ids.shape
     device = input_ids.device
     cache = KVCache.for_model(model, bsz, width + opts.max_new_tokens, opts.num_steps, opts.kv_sharing)
@@ -179,15 +222,14 @@ def generate(
     keys[:, :width] = attention_mask.bool()
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     decoder = _Decoder(model, cache, opts)
-    generator = torch.Generator(device).manual_seed(opts.seed) if opts.temperature > 0 else None
-    step = decoder.forward(input_ids, positions, keys, running=None, warm_state=None)
+    step = decoder.forward(input_ids, positions, keys)
     finished = torch.zeros(bsz, dtype=torch.bool, device=device)
     lengths = torch.zeros(bsz, dtype=torch.long, device=device)
     tokens, steps, head_calls, logits = [], [], [], []
     for t in range(opts.max_new_tokens):
         if return_logits:
-            logits.append(step.logits.float())
-        token = choose_tokens(step.logits, opts.temperature, opts.top_p, generator)
+            logits.append(step.logits[:, -1].float())
+        token = choose_tokens(step.logits[:, -1], opts.temperature, opts.top_p, generator)
         if opts.eos_id is not None:
             token = torch.where(finished, torch.full_like(token, opts.eos_id), token)
         tokens.append(token)
@@ -209,6 +251,181 @@ def generate(
     return GenerationOutput(
         tokens=torch.stack(tokens, dim=1), steps=torch.stack(steps, dim=1), head_calls=torch.stack(head_calls, dim=1),
         lengths=lengths, kv_cache_bytes=cache.nbytes(), logits=torch.stack(logits, dim=1) if return_logits else None,
+    )
+
+
+@dataclass
+class SpeculationStats:
+    """Per row: drafted tokens, drafted tokens accepted, verify rounds, and core iterations run (a draft
+    forward counts draft_steps, a verify forward num_steps, whatever the number of positions it covers)."""
+
+    drafted: torch.Tensor
+    accepted: torch.Tensor
+    rounds: torch.Tensor
+    core_iterations: torch.Tensor
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens over the batch."""
+        drafted = int(self.drafted.sum())
+        return int(self.accepted.sum()) / drafted if drafted else 0.0
+
+
+def _generate_speculative(
+    model: RecurrentLM,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    opts: GenerationOptions,
+    generator: torch.Generator | None,
+    stop: Callable[[torch.Tensor], torch.Tensor] | None,
+    return_logits: bool,
+) -> GenerationOutput:
+    """Depth-speculative decoding (docs/generation.md, "Speculative decoding").
+
+    The cache holds every committed token but the last at the target depth. A round feeds the last
+    token and ``lookahead`` - 1 drafts at ``draft_steps`` (lookahead draft forwards, one token each),
+    crops the drafts off, and verifies [last, drafts] at ``num_steps`` in one forward over the block;
+    each row keeps its accepted prefix (``_accept``), and the cache is cropped to the longest one: a
+    row that kept fewer leaves masked holes (the attention mask hides them and positions count real
+    tokens only, as with left padding), so each row computes what it computes alone.
+    """
+    bsz, width = input_ids.shape
+    device = input_ids.device
+    k, r = opts.lookahead, opts.num_steps
+    cache = KVCache.for_model(model, bsz, width + opts.max_new_tokens + k + 1, r, opts.kv_sharing)
+    keys = torch.zeros(bsz, cache.capacity, dtype=torch.bool, device=device)
+    keys[:, :width] = attention_mask.bool()
+    real = attention_mask.long().sum(-1)  # per row: real tokens cached = the next position
+    decoder = _Decoder(model, cache, opts)
+    prompt = decoder.forward(input_ids, (attention_mask.long().cumsum(-1) - 1).clamp(min=0), keys)
+    last = choose_tokens(prompt.logits[:, -1], opts.temperature, opts.top_p, generator)
+    rows = [_Row(opts, stop, device) for _ in range(bsz)]
+    for b in range(bsz):
+        rows[b].append([int(last[b])], prompt.logits[b, -1:] if return_logits else None)
+    stats = SpeculationStats(*(torch.zeros(bsz, dtype=torch.long) for _ in range(4)))
+    while not all(row.finished for row in rows):
+        left = max(row.left for row in rows if not row.finished)
+        drafts = min(k, left - 1)  # no draft beyond the last token any row may still emit
+        start = cache.length
+        keys = _columns(keys, start + drafts + 1)
+        draft_tokens, draft_probs, fed = [], [], last
+        for i in range(drafts):
+            keys[:, start + i] = True
+            step = decoder.forward(fed[:, None], (real + i)[:, None], keys, num_steps=opts.draft_steps)
+            fed = choose_tokens(step.logits[:, -1], opts.temperature, opts.top_p, generator)
+            draft_tokens.append(fed)
+            if opts.temperature > 0:
+                draft_probs.append(token_probs(step.logits[:, -1], opts.temperature, opts.top_p))
+        cache.crop(start)
+        block = torch.stack([last, *draft_tokens], dim=1)  # (B, drafts + 1)
+        keys[:, start : start + drafts + 1] = True
+        positions = real[:, None] + torch.arange(drafts + 1, device=device)
+        verify = decoder.forward(block, positions, keys, num_steps=r, head_positions=drafts + 1)
+        accepted, bonus = _accept(block[:, 1:], draft_probs, verify.logits, opts, generator)
+        live = torch.tensor([not row.finished for row in rows])
+        kept = int(accepted[live].max())
+        for b, row in enumerate(rows):
+            if row.finished:
+                continue
+            n = int(accepted[b])
+            stats.drafted[b] += drafts
+            stats.rounds[b] += 1
+            stats.core_iterations[b] += drafts * opts.draft_steps + r
+            new = [*block[b, 1 : n + 1].tolist(), int(bonus[b])]
+            stats.accepted[b] += min(n, row.append(new, verify.logits[b, : n + 1] if return_logits else None))
+            keys[b, start + n + 1 : start + kept + 1] = False  # this row's rejected drafts: holes
+        cache.crop(start + kept + 1)
+        keys[:, cache.length :] = False
+        real += accepted + 1
+        last = bonus
+    return _speculative_output(rows, opts, cache, stats, device)
+
+
+class _Row:
+    """One row's emitted tokens in speculative decoding, finished at EOS, a stop, or max_new_tokens."""
+
+    def __init__(self, opts: GenerationOptions, stop: Callable[[torch.Tensor], torch.Tensor] | None,
+                 device: torch.device) -> None:
+        self.opts, self.stop, self.device = opts, stop, device
+        self.tokens: list[int] = []
+        self.logits: list[torch.Tensor] = []
+        self.finished = False
+
+    @property
+    def left(self) -> int:
+        return self.opts.max_new_tokens - len(self.tokens)
+
+    def append(self, tokens: list[int], logits: torch.Tensor | None) -> int:
+        """Emit tokens in order until the row finishes; returns how many were emitted."""
+        for i, token in enumerate(tokens):
+            self.tokens.append(token)
+            if logits is not None:
+                self.logits.append(logits[i].float())
+            self.finished = (
+                self.left == 0 or token == self.opts.eos_id
+                or (self.stop is not None and bool(self.stop(torch.tensor([self.tokens], device=self.device))[0]))
+            )
+            if self.finished:
+                return i + 1
+        return len(tokens)
+
+
+def _columns(keys: torch.Tensor, needed: int) -> torch.Tensor:
+    """The key mask widened to ``needed`` columns (the cache grows alike when holes use up its capacity)."""
+    return keys if keys.shape[1] >= needed else F.pad(keys, (0, max(needed, 2 * keys.shape[1]) - keys.shape[1]))
+
+
+def _accept(
+    drafts: torch.Tensor,
+    draft_probs: list[torch.Tensor],
+    target_logits: torch.Tensor,
+    opts: GenerationOptions,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) drafts accepted and (B,) the verifier's next token, given drafts (B, n) and the target's logits
+    (B, n + 1, V) at [last, drafts].
+
+    Greedy: the longest prefix equal to the target's argmax, then its argmax. Sampling (the standard
+    rule, Leviathan et al. 2023 / Chen et al. 2023): draft i is kept with probability min(1, p_i / q_i);
+    at the first rejection the token is drawn from norm(max(p - q, 0)), after all n from p_n; the
+    tokens are then distributed as sampling from p at every position.
+    """
+    n = drafts.shape[1]
+    if opts.temperature == 0:
+        target = target_logits.argmax(dim=-1)
+        accepted = (drafts == target[:, :n]).long().cumprod(dim=1).sum(dim=1)
+        return accepted, target.gather(1, accepted[:, None])[:, 0]
+    p = token_probs(target_logits, opts.temperature, opts.top_p)
+    p = p / p.sum(dim=-1, keepdim=True)
+    q = torch.stack(draft_probs, dim=1) if n else p[:, :0]
+    q = q / q.sum(dim=-1, keepdim=True)
+    p_draft = p[:, :n].gather(2, drafts[..., None])[..., 0]
+    q_draft = q.gather(2, drafts[..., None])[..., 0]
+    u = torch.rand(p_draft.shape, generator=generator, device=p.device)
+    accepted = (u * q_draft < p_draft).long().cumprod(dim=1).sum(dim=1)
+    rows = torch.arange(p.shape[0], device=p.device)
+    residual = p[rows, accepted] - F.pad(q, (0, 0, 0, 1))[rows, accepted]  # after all n: q is 0, p_n is left
+    residual = residual.clamp(min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[rows, accepted])
+    return accepted, torch.multinomial(residual, 1, generator=generator)[:, 0]
+
+
+def _speculative_output(
+    rows: list[_Row], opts: GenerationOptions, cache: KVCache, stats: SpeculationStats, device: torch.device
+) -> GenerationOutput:
+    """The rows' tokens as a GenerationOutput: (B, longest) padded after a row's end with eos_id (else 0);
+    every emitted token is decided at num_steps (its ``steps``); the cost is in ``speculation``."""
+    longest = max(len(row.tokens) for row in rows)
+    pad = opts.eos_id if opts.eos_id is not None else 0
+    tokens = torch.tensor([row.tokens + [pad] * (longest - len(row.tokens)) for row in rows], device=device)
+    lengths = torch.tensor([len(row.tokens) for row in rows], device=device)
+    emitted = torch.arange(longest, device=device)[None, :] < lengths[:, None]
+    logits = None
+    if rows[0].logits:  # asked for: a row's last logits repeat after its end
+        logits = torch.stack([torch.stack(row.logits + row.logits[-1:] * (longest - len(row.logits))) for row in rows])
+    return GenerationOutput(
+        tokens=tokens, steps=emitted.long() * opts.num_steps, head_calls=emitted.long(), lengths=lengths,
+        kv_cache_bytes=cache.nbytes(), logits=logits, speculation=stats,
     )
 
 
@@ -237,19 +454,26 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return input_ids, attention_mask
 
 
-def choose_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
-) -> torch.Tensor:
-    """(B,) next tokens from (B, V) logits: argmax at temperature 0, else a top-p sample."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
+def token_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """(..., V) fp32 sampling distribution of logits: the softmax at ``temperature`` (> 0), restricted to
+    the smallest set of tokens whose mass reaches ``top_p`` (always the most likely token), renormalised
+    by the sampler."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always the most likely token).
         sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= top_p, 0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return probs
+
+
+def choose_tokens(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """(B,) next tokens from (B, V) logits: argmax at temperature 0, else a top-p sample (generator None:
+    torch's global RNG)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(token_probs(logits, temperature, top_p), 1, generator=generator)[:, 0]
 
 
 def decode_compile_options(device: torch.device) -> dict[str, bool]:
@@ -266,31 +490,24 @@ def run_core_iterations(
     core: torch.nn.Module,
     state: torch.Tensor,
     injected: torch.Tensor,
-    ctx: AttentionContext,
-    views: tuple[IterationView, ...],
+    contexts: tuple[AttentionContext, ...],
     active: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One core iteration per cache view, in order; rows not ``active`` keep their state (None: all run).
-
-    The unit the engine compiles: iteration indices never enter it, only same-shaped views, so one
-    graph serves every run of ``len(views)`` iterations of every token.
-    """
-    for view in views:
-        new_state = core.iteration(state, injected, dataclasses.replace(ctx, cache=view))
-        state = new_state if active is None else torch.where(active[:, None, None], new_state, state)
-    return state
+    """``core.iterate`` as a function of its inputs: the unit the engine compiles (see ``RecurrentCore.iterate``)."""
+    return core.iterate(state, injected, contexts, active)
 
 
 @dataclass
 class _Step:
-    logits: torch.Tensor  # (B, V) next-token logits at the step's last position
+    logits: torch.Tensor  # (B, n, V) next-token logits at the step's last n positions
     state: torch.Tensor  # (B, T, d) the core's final state
     steps: torch.Tensor  # (B,) iterations run at the last position
     head_calls: torch.Tensor  # (B,) coda + head evaluations
 
 
 class _Decoder:
-    """One forward of new tokens through the cache: the prompt (r iterations) or one decoded token."""
+    """One forward of new tokens through the cache (``RecurrentLM.forward`` with a ``Decoding``): the
+    prompt, a decoded token, or a block of drafted tokens to verify."""
 
     def __init__(self, model: RecurrentLM, cache: KVCache, opts: GenerationOptions) -> None:
         self.model, self.cache, self.opts = model, cache, opts
@@ -312,14 +529,14 @@ class _Decoder:
         active: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Core iterations start .. stop - 1 (0-based); a decoded token's go through the compiled unit,
-        ``iterations_per_call`` at a time, when compiling (the prompt's shapes are its own: eager)."""
-        views = tuple(self.cache.iteration_view(i) for i in range(start, stop))
+        ``iterations_per_call`` at a time, when compiling (a block's shapes are its own: eager)."""
+        contexts = iteration_contexts(ctx, start, stop)
         if self.compiled_iterations is None or state.shape[1] > 1:
-            return run_core_iterations(self.model.core, state, injected, ctx, views, active)
+            return self.model.core.iterate(state, injected, contexts, active)
         per_call = self.opts.iterations_per_call
-        for first in range(0, len(views), per_call):
+        for first in range(0, len(contexts), per_call):
             state = self.compiled_iterations(
-                self.model.core, state, injected, ctx, views[first : first + per_call], active
+                self.model.core, state, injected, contexts[first : first + per_call], active
             )
         return state
 
@@ -328,79 +545,85 @@ class _Decoder:
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         keys: torch.Tensor,
-        running: torch.Tensor | None,
-        warm_state: torch.Tensor | None,
+        *,
+        running: torch.Tensor | None = None,
+        warm_state: torch.Tensor | None = None,
+        num_steps: int | None = None,
+        head_positions: int = 1,
     ) -> _Step:
-        """running: rows still generating (None for the prompt, which never exits early)."""
-        model, cache = self.model, self.cache
-        ctx = model.attention_context(input_ids, keys, position_ids, cache)
-        # Additive once per step, rather than converted from bool by every attention call.
-        mask = torch.zeros(ctx.mask.shape, dtype=ctx.cos.dtype, device=ctx.mask.device).masked_fill_(~ctx.mask, -math.inf)
-        ctx = dataclasses.replace(ctx, mask=mask)
-        cache.write_rows = None
-        embedded = model.embed_and_prelude(input_ids, ctx)
-        bsz = input_ids.shape[0]
-        if model.core is None:
-            step = self._final(embedded, ctx, torch.zeros(bsz, dtype=torch.long, device=embedded.device))
+        """running: rows still generating (None: a forward that never exits early, as the prompt's).
+        num_steps: the depth (default the options'); head_positions: logits of the last this many positions."""
+        bsz, device = input_ids.shape[0], input_ids.device
+        depth = self.opts.num_steps if num_steps is None else num_steps
+        if running is None or self.opts.exit_criterion is None:
+            loop = _FixedDepth(self, depth, bsz, device)
         else:
-            injected = model.core.inject(embedded)
-            state = warm_state if warm_state is not None else model.core.initial_state(embedded, self.prompt_init)
-            if running is None or self.opts.exit_criterion is None:
-                step = self._fixed_depth(state, injected, ctx)
-            else:
-                step = self._adaptive_depth(state, injected, ctx, running)
-        cache.write_rows = None
-        cache.length += input_ids.shape[1]
-        return step
+            loop = _AdaptiveDepth(self, running)
+        decoding = Decoding(cache=self.cache, position_ids=position_ids, initial_state=warm_state,
+                            core_loop=loop if self.model.core is not None else None, head_positions=head_positions)
+        logits = self.model(input_ids, attention_mask=keys, state_init=self.prompt_init, decoding=decoding)
+        if self.model.core is None:
+            loop.steps.zero_()
+        return _Step(logits=logits, state=loop.state, steps=loop.steps, head_calls=loop.head_calls)
 
-    def _fixed_depth(self, state: torch.Tensor, injected: torch.Tensor, ctx: AttentionContext) -> _Step:
-        state = self.iterate(0, self.opts.num_steps, state, injected, ctx)
-        steps = torch.full((state.shape[0],), self.opts.num_steps, dtype=torch.long, device=state.device)
-        return self._final(state, ctx, steps)
 
-    def _final(self, state: torch.Tensor, ctx: AttentionContext, steps: torch.Tensor) -> _Step:
-        logits = self.model.head(self.model.coda_and_norm(state, ctx)[:, -1])
-        return _Step(logits=logits, state=state, steps=steps, head_calls=torch.ones_like(steps))
+class _FixedDepth:
+    """A forward's core at a fixed depth (every row runs it)."""
 
-    def _adaptive_depth(
-        self, state: torch.Tensor, injected: torch.Tensor, ctx: AttentionContext, running: torch.Tensor
-    ) -> _Step:
-        """Up to r iterations; a row that exits is frozen: its state and K/V stay those of its last iteration."""
-        opts, model, cache = self.opts, self.model, self.cache
+    def __init__(self, decoder: _Decoder, depth: int, bsz: int, device: torch.device) -> None:
+        self.decoder, self.depth = decoder, depth
+        self.steps = torch.full((bsz,), depth, dtype=torch.long, device=device)
+        self.head_calls = torch.ones_like(self.steps)
+        self.state = None
+
+    def __call__(self, core: torch.nn.Module, state: torch.Tensor, injected: torch.Tensor,
+                 ctx: AttentionContext) -> CoreResult:
+        self.state = self.decoder.iterate(0, self.depth, state, injected, ctx)
+        return CoreResult(self.state)
+
+
+class _AdaptiveDepth:
+    """Up to r iterations; a row that exits is frozen: its state and K/V stay those of its last iteration."""
+
+    def __init__(self, decoder: _Decoder, running: torch.Tensor) -> None:
+        self.decoder, self.running = decoder, running
+        self.steps = torch.zeros_like(running, dtype=torch.long)
+        self.head_calls = torch.zeros_like(self.steps)
+        self.state = None
+
+    def __call__(self, core: torch.nn.Module, state: torch.Tensor, injected: torch.Tensor,
+                 ctx: AttentionContext) -> CoreResult:
+        decoder, running = self.decoder, self.running
+        opts, model, cache = decoder.opts, decoder.model, decoder.cache
         criterion = ExitCriterion(opts.exit_criterion, opts.exit_threshold, state, model.args.vocab_size)
         active = running.clone()
-        steps = torch.zeros_like(running, dtype=torch.long)
-        head_calls = torch.zeros_like(steps)
         logits = None
         done = 0
         while done < opts.num_steps:
             # The iterations up to the next check run with the same rows active: one run.
             check = opts.next_check(done)
-            cache.write_rows = active
-            state = self.iterate(done, check, state, injected, ctx, active)
-            steps += active * (check - done)
-            done = check
-            if done == opts.num_steps:
-                break
-            check_logits = None
-            if criterion.needs_logits:
-                check_logits = model.head(model.coda_and_norm(state, ctx)[:, -1])
-                head_calls += active
-                logits = check_logits if logits is None else torch.where(active[:, None], check_logits, logits)
-            active = active & ~criterion.exits(state, check_logits)
+            with cache.writes_only(active):
+                state = decoder.iterate(done, check, state, injected, ctx, active)
+                self.steps += active * (check - done)
+                done = check
+                if done == opts.num_steps:
+                    break
+                check_logits = None
+                if criterion.needs_logits:
+                    check_logits = model.head(model.coda_and_norm(state, ctx)[:, -1:])
+                    self.head_calls += active
+                    logits = check_logits if logits is None else torch.where(active[:, None, None], check_logits, logits)
+            active = active & ~criterion.exits(state, None if check_logits is None else check_logits[:, -1])
             if not bool(active.any()):
                 break
         # Rows without final logits: those still running, or (latent-diff) every row; the coda of a
         # frozen state is the coda of the row's last iteration.
         needs_final = active if criterion.needs_logits else running
-        if bool(needs_final.any()):
-            cache.write_rows = needs_final
-            final = model.head(model.coda_and_norm(state, ctx)[:, -1])
-            head_calls += needs_final
-            logits = final if logits is None else torch.where(needs_final[:, None], final, logits)
-        if bool((running & (steps < cache.slots_per_block)).any()):
-            cache.fill_skipped(steps)
-        return _Step(logits=logits, state=state, steps=steps, head_calls=head_calls)
+        self.head_calls += needs_final
+        if bool((running & (self.steps < cache.slots_per_block)).any()):
+            cache.fill_skipped(self.steps)
+        self.state = state
+        return CoreResult(state, logits=logits, coda_rows=needs_final)
 
 
 class ExitCriterion:

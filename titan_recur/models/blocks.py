@@ -18,7 +18,7 @@ from titan_recur.models.args import ModelArgs
 from titan_recur.models.rope import apply_rope
 
 if TYPE_CHECKING:  # the cache module builds on this one: a typing-only import, no cycle at run time
-    from titan_recur.models.cache import KVCache
+    from titan_recur.models.cache import IterationView, KVCache
 
 
 class RMSNorm(nn.Module):
@@ -47,20 +47,19 @@ BlockSlot = tuple[str, int]
 class AttentionContext:
     """Per-forward inputs shared by every block and every iteration: RoPE tables, mask, KV cache.
 
-    ``iteration`` is the core iteration being run; only a cache reads it (training passes no cache,
-    so the iteration never reaches a compiled graph).
+    Inside core iteration i the cache is the KV cache's view of iteration i (``at_iteration``), so the
+    iteration index never reaches a block, nor a compiled graph (training passes no cache).
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
-    # Boolean (B, 1, T, S) mask, True = attend; None means plain causal attention without a cache.
+    # (B, 1, T, S) mask: boolean (True = attend) or additive; None means plain causal attention without a cache.
     mask: torch.Tensor | None = None
-    cache: KVCache | None = None
-    iteration: int = 0
+    cache: KVCache | IterationView | None = None
 
     def at_iteration(self, iteration: int) -> "AttentionContext":
         """The context of core iteration ``iteration`` (itself when no cache needs to know it)."""
-        return self if self.cache is None else dataclasses.replace(self, iteration=iteration)
+        return self if self.cache is None else dataclasses.replace(self, cache=self.cache.iteration_view(iteration))
 
 
 class Attention(nn.Module):
@@ -90,7 +89,7 @@ class Attention(nn.Module):
         v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, k, ctx.cos, ctx.sin)
         if ctx.cache is not None:
-            k, v = ctx.cache.update(self.slot, ctx.iteration, k, v)
+            k, v = ctx.cache.update(self.slot, k, v)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=ctx.mask, is_causal=ctx.mask is None, enable_gqa=self.n_kv_heads != self.n_heads
         )

@@ -16,13 +16,20 @@ Prelude and coda blocks have one slot each; a core block has one slot per *slot 
 A token that ran fewer iterations m than there are slots (adaptive exit, docs/generation.md) leaves
 slots m .. N-1 unwritten at its position; ``fill_skipped`` copies its last computed K/V (slot m-1)
 into them, so every slot of a past position holds "the K/V of the last iteration run there whose
-slot it is, or else the last computed one". ``write_rows`` masks writes per row: a row that has
-exited keeps its K/V while the rest of its batch iterates on, so a batched run equals each row alone.
+slot it is, or else the last computed one". ``writes_only(rows)`` masks writes per row: a row that
+has exited keeps its K/V while the rest of its batch iterates on, so a batched run equals each row alone.
+
+A forward through the cache writes the columns ``length .. length + T - 1`` (``begin``) and then
+``advance``s by T; ``crop(n)`` rolls the cache back to its first n columns (speculative decoding
+drops rejected drafts so; HF's assisted decoding calls ``crop`` by that name): later writes
+overwrite the dropped columns, and attention never reads past the written prefix.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -132,15 +139,33 @@ class KVCache:
         self.key_length = end
         return self.key_length
 
-    def update(
-        self, slot: BlockSlot, iteration: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the step's k, v (B, H, T, D) into the slot of (block, iteration); return the slot's keys/values."""
+    def advance(self, seqlen: int) -> None:
+        """Mark the step's ``seqlen`` columns written: the next step writes after them."""
+        self.length += seqlen
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` columns (negative: drop the last -max_length), as HF caches' ``crop``."""
+        if max_length < 0:
+            max_length = self.length + max_length
+        self.length = max(0, min(self.length, max_length))
+
+    @contextmanager
+    def writes_only(self, rows: torch.Tensor | None) -> Iterator[None]:
+        """Within the block, writes change the rows where ``rows`` (B,) is True only (None: every row)."""
+        previous, self.write_rows = self.write_rows, rows
+        try:
+            yield
+        finally:
+            self.write_rows = previous
+
+    def update(self, slot: BlockSlot, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a prelude or coda block's k, v (B, H, T, D) into its slot; return the slot's keys/values.
+
+        A core block writes through its iteration's view (``iteration_view``).
+        """
         keys, values = self.buffers[slot]
         if keys.ndim == 5:
-            if iteration >= self.num_steps and self.kv_sharing == "full":
-                raise ValueError(f"iteration {iteration} beyond the {self.num_steps} this 'full' cache was built for")
-            keys, values = keys[iteration % self.slots_per_block], values[iteration % self.slots_per_block]
+            raise ValueError(f"core slot {slot} is written through iteration_view(i), which picks the iteration's slot")
         return self.write(keys, values, k, v)
 
     def write(
@@ -155,7 +180,9 @@ class KVCache:
         return keys[:, :, : self.key_length], values[:, :, : self.key_length]
 
     def iteration_view(self, iteration: int) -> "IterationView":
-        """The cache as core iteration ``iteration`` sees it (see ``IterationView``)."""
+        """The cache as core iteration ``iteration`` (0-based) sees it (see ``IterationView``)."""
+        if iteration >= self.num_steps and self.kv_sharing == "full":
+            raise ValueError(f"iteration {iteration} beyond the {self.num_steps} this 'full' cache was built for")
         index = iteration % self.slots_per_block
         if index not in self._views:
             self._views[index] = IterationView(self, index)
@@ -204,14 +231,13 @@ class IterationView:
     """A core iteration's view of a ``KVCache``: each core block's slot for that iteration chosen up front.
 
     It lets a compiled core iteration serve every iteration with one graph: the iteration index never
-    enters the compiled code (``update`` ignores it), only same-shaped buffer views do.
+    enters the compiled code, only same-shaped buffer views do.
     """
 
     def __init__(self, cache: KVCache, index: int) -> None:
         self.cache = cache
         self.slots = {slot: (k[index], v[index]) for slot, (k, v) in cache.buffers.items() if k.ndim == 5}
 
-    def update(
-        self, slot: BlockSlot, iteration: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, slot: BlockSlot, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a core block's k, v into this iteration's slot; return what attention reads."""
         return self.cache.write(*self.slots[slot], k, v)

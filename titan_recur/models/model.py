@@ -7,7 +7,10 @@ transformer block) and `RecurrentCore.iteration` (one pass through the core, the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -75,15 +78,30 @@ class RecurrentCore(nn.Module):
         on_state: if given, called with the state after each iteration.
         """
         n_no_grad, n_grad = num_steps
-        record = on_state or _ignore
         injected = self.inject(embedded)
         state = self.initial_state(embedded, state_init)
         with torch.no_grad():
-            for i in range(n_no_grad):
-                state = self.iteration(state, injected, ctx.at_iteration(i))
-                record(state)
-        for i in range(n_no_grad, n_no_grad + n_grad):
-            state = self.iteration(state, injected, ctx.at_iteration(i))
+            state = self.iterate(state, injected, iteration_contexts(ctx, 0, n_no_grad), on_state=on_state)
+        return self.iterate(state, injected, iteration_contexts(ctx, n_no_grad, n_no_grad + n_grad), on_state=on_state)
+
+    def iterate(
+        self,
+        state: torch.Tensor,
+        injected: torch.Tensor,
+        contexts: Sequence[AttentionContext],
+        active: torch.Tensor | None = None,
+        on_state: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """The loop over core iterations: one per context (``iteration_contexts``), in order; rows not
+        ``active`` (B,) keep their state (None: all run).
+
+        The unit the generation engine compiles: iteration indices never enter it, only contexts whose
+        cache views have the same shapes, so one graph serves every run of ``len(contexts)`` iterations.
+        """
+        record = on_state or _ignore
+        for ctx in contexts:
+            new_state = self.iteration(state, injected, ctx)
+            state = new_state if active is None else torch.where(active[:, None, None], new_state, state)
             record(state)
         return state
 
@@ -130,6 +148,44 @@ class RecurrentCore(nn.Module):
             self.adapter.reset_parameters()
 
 
+def iteration_contexts(ctx: AttentionContext, start: int, stop: int) -> tuple[AttentionContext, ...]:
+    """The contexts of core iterations start .. stop - 1 (0-based): each sees its iteration's cache slots."""
+    return tuple(ctx.at_iteration(i) for i in range(start, stop))
+
+
+@dataclass
+class CoreResult:
+    """What a decoding core loop hands back: the final state, and, where an exit check already computed
+    a row's logits (adaptive exit), those logits (B, 1, V) and the rows that still need the coda (B,)."""
+
+    state: torch.Tensor
+    logits: torch.Tensor | None = None
+    coda_rows: torch.Tensor | None = None
+
+
+# (core, initial state, injection, context) -> CoreResult: how a decoding forward runs its core.
+CoreLoop = Callable[["RecurrentCore", torch.Tensor, torch.Tensor, AttentionContext], CoreResult]
+
+
+@dataclass
+class Decoding:
+    """The decoding-only inputs of a forward (the generation engine's, HF's generate).
+
+    cache: the KV cache the forward reads and extends by its T positions (None: no cache).
+    position_ids: (B, T) RoPE positions (default: from the attention mask, else past + arange(T)).
+    initial_state: the core's initial state (B, T, d) in place of ``state_init``'s (a warm start).
+    core_loop: runs the core in place of the fixed ``num_steps`` iterations (the engine's compiled
+    pieces, adaptive exit); it gets the initial state and the injection.
+    head_positions: logits of the last this many positions only (None: every position).
+    """
+
+    cache: KVCache | None = None
+    position_ids: torch.Tensor | None = None
+    initial_state: torch.Tensor | None = None
+    core_loop: CoreLoop | None = None
+    head_positions: int | None = None
+
+
 @torch.no_grad()
 def init_identity_adapter(weight: torch.Tensor) -> None:
     """A = [0 | I]: ignore the state, pass the prelude output through (the conversion's exactness init)."""
@@ -165,15 +221,17 @@ class RecurrentLM(nn.Module):
         num_steps: NumSteps = None,
         *,
         attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        cache: KVCache | None = None,
         state_init: str | None = None,
         labels: torch.Tensor | None = None,
         loss_chunk_tokens: int = 0,
         inputs_embeds: torch.Tensor | None = None,
         on_hidden_state: Callable[[torch.Tensor], None] | None = None,
+        decoding: Decoding | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V), or with ``labels`` the summed next-token loss (fp32 scalar).
+
+        The one place that knows the order: embed -> prelude -> core iterations -> coda -> norm -> head,
+        for training, evaluation and (through ``decoding``) every decoding step.
 
         num_steps: (n, k) = n iterations without grad then k with grad (training); an int r = r
         iterations, all without grad (evaluation) unless the model is in train mode with grad enabled,
@@ -191,21 +249,56 @@ class RecurrentLM(nn.Module):
         prelude block's output, the state after each core iteration, each coda block's output and the
         final norm's output (what the head reads), 2 + P + r + C calls. A callable, not a list, so that
         hooks that move a module's arguments between devices (accelerate's) pass it through unchanged.
+        decoding: the cache, positions, initial state, core loop and head positions of a decoding step
+        (``Decoding``).
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
+        decoding = decoding or Decoding()
         tokens = input_ids if inputs_embeds is None else inputs_embeds
-        ctx = self.attention_context(tokens, attention_mask, position_ids, cache)
+        ctx = self.attention_context(tokens, attention_mask, decoding.position_ids, decoding.cache)
         x = self.embed_and_prelude(input_ids, ctx, inputs_embeds, on_hidden_state)
-        if self.core is not None:
+        result = CoreResult(x) if self.core is None else self.run_core(x, ctx, num_steps, state_init, on_hidden_state,
+                                                                        decoding)
+        cache, logits = decoding.cache, result.logits
+        if result.coda_rows is None or bool(result.coda_rows.any()):
+            with nullcontext() if result.coda_rows is None else cache.writes_only(result.coda_rows):
+                hidden = self.coda_and_norm(result.state, ctx, on_hidden_state)
+            if labels is not None:
+                logits = self.loss(hidden, labels, loss_chunk_tokens)
+            else:
+                head_from = 0 if decoding.head_positions is None else hidden.shape[1] - decoding.head_positions
+                final = self.head(hidden[:, head_from:])
+                # Rows whose exit check already gave their logits keep them.
+                logits = final if logits is None else torch.where(result.coda_rows[:, None, None], final, logits)
+        if cache is not None:
+            cache.advance(tokens.shape[1])
+        return logits
+
+    def run_core(
+        self,
+        x: torch.Tensor,
+        ctx: AttentionContext,
+        num_steps: NumSteps,
+        state_init: str | None,
+        on_hidden_state: Callable[[torch.Tensor], None] | None,
+        decoding: Decoding,
+    ) -> CoreResult:
+        """The core's part of a forward: the fixed num_steps iterations, or the decoding's own loop."""
+        init = self.resolve_state_init(state_init)
+        if decoding.core_loop is None and decoding.initial_state is None:
             depth = DEFAULT_BACKPROP_DEPTH if self.training and torch.is_grad_enabled() else None
             steps = resolve_num_steps(num_steps, self.args, backprop_depth=depth)
-            x = self.core(x, ctx, steps, self.resolve_state_init(state_init), on_hidden_state)
-        hidden = self.coda_and_norm(x, ctx, on_hidden_state)
-        if cache is not None:
-            cache.length += tokens.shape[1]
-        if labels is None:
-            return self.head(hidden)
+            return CoreResult(self.core(x, ctx, steps, init, on_hidden_state))
+        injected = self.core.inject(x)
+        state = decoding.initial_state if decoding.initial_state is not None else self.core.initial_state(x, init)
+        if decoding.core_loop is not None:
+            return decoding.core_loop(self.core, state, injected, ctx)
+        steps = sum(resolve_num_steps(num_steps, self.args))
+        return CoreResult(self.core.iterate(state, injected, iteration_contexts(ctx, 0, steps), on_state=on_hidden_state))
+
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor, loss_chunk_tokens: int) -> torch.Tensor:
+        """The summed next-token loss of final-norm hidden states (chunked when loss_chunk_tokens > 0)."""
         if loss_chunk_tokens > 0:
             return chunked_cross_entropy_sum(hidden, self.head_weight(), labels, loss_chunk_tokens)
         return cross_entropy_sum(self.head(hidden), labels)
@@ -275,6 +368,8 @@ class RecurrentLM(nn.Module):
         if attention_mask is not None or cache is not None:
             key_length = cache.begin(seqlen) if cache is not None else past + seqlen
             mask = build_attention_mask(attention_mask, bsz, seqlen, past, input_ids.device, key_length)
+        if cache is not None:  # additive once per step, rather than converted from bool by every attention call
+            mask = torch.zeros(mask.shape, dtype=cos.dtype, device=mask.device).masked_fill_(~mask, -math.inf)
         return AttentionContext(cos=cos, sin=sin, mask=mask, cache=cache)
 
     def rope_inv_freq(self, device: torch.device) -> torch.Tensor:
