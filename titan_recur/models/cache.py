@@ -219,13 +219,6 @@ class KVCache:
             self.buffers[slot] = tuple(F.pad(t, (0, 0, 0, capacity - t.shape[-2])) for t in pair)
         self._views.clear()
 
-    def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` columns (negative: drop that many from the end), as transformers'
-        caches do: assisted decoding drops the K/V of rejected draft tokens; the next step overwrites them."""
-        if max_length < 0:
-            max_length = self.length + max_length
-        self.length = max(0, min(self.length, max_length))
-
 
 class IterationView:
     """A core iteration's view of a ``KVCache``: each core block's slot for that iteration chosen up front.
