@@ -440,3 +440,53 @@ def test_processes_racing_for_a_stale_lock_leave_exactly_one_holder(tmp_path):
     for racer in racers:
         racer.join()
     assert outcomes == ["held"] + ["refused"] * 5
+
+
+# ------------------------------------------------------------------------------- watchdog, wording
+
+
+class DictStore:
+    """The part of a c10d store the watchdog uses."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def get(self, key: str) -> bytes:
+        return self.values[key].encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+
+def test_the_heartbeat_names_the_step_the_rank_is_in_not_one_a_poll_behind():
+    """Steps shorter than the poll: each step start is published at once (the poll here is 1000 s)."""
+    import time
+
+    from titan_recur.training.watchdog import StepWatchdog
+
+    watchdog = StepWatchdog(timeout_s=10_000, rank=0, world_size=2)
+    watchdog.poll_s = 1000.0
+    store = DictStore()
+    watchdog.start(store)
+    try:
+        for step in range(1, 8):
+            watchdog.step_started(step)
+            watchdog.step_finished(step)
+        watchdog.step_started(8)
+        for _ in range(600):  # the watchdog thread runs as soon as it is scheduled
+            beat = json.loads(store.values.get("rank_0", "{}"))
+            if beat.get("step") == 8:
+                break
+            time.sleep(0.1)
+        assert beat == {**beat, "step": 8, "done": 7}
+    finally:
+        watchdog.stop()
+
+
+def test_rank_counts_are_worded_in_the_singular_and_plural():
+    from titan_recur.training.trainer import ranks
+
+    assert (ranks(1), ranks(2)) == ("1 rank", "2 ranks")

@@ -265,6 +265,9 @@ class CheckpointManager:
     def _write_failed(self, step: int, err: BaseException) -> None:
         partial, reason = self._partial(step), _describe(err)
         full = "" if "No space left" in reason else _disk_full(self.folder, partial)
+        if dist.is_initialized():  # measured before rank 0 frees the space: every rank's line says "No space left"
+            with contextlib.suppress(RuntimeError):  # a broken process group: each rank keeps its own reading
+                full = next((f for f in _agree(lambda: full) if f), "")
         if _is_rank0():
             shutil.rmtree(partial, ignore_errors=True)  # free the space the incomplete save took
         latest = self.latest_step()

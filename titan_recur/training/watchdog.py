@@ -5,7 +5,7 @@ deadline, the thread prints one line and exits the process with EXIT_STALLED, so
 (torchrun, srun) tears the other ranks down instead of every rank waiting in a collective.
 
 Each rank's thread also publishes a heartbeat (its current and last completed step) to the job's
-c10d store once per poll. The line then names the ranks that went silent: a rank frozen by SIGSTOP
+c10d store at each step's start and end and once per poll. The line then names the ranks that went silent: a rank frozen by SIGSTOP
 or a dead node stops beating, while a rank stuck inside a call (a wedged GPU, a hung file system)
 still beats and its own watchdog reports it.
 """
