@@ -50,3 +50,29 @@ def test_export_is_hub_ready_and_pushes(tmp_path: Path, monkeypatch: pytest.Monk
 def test_push_to_hub_refuses_a_bad_repo_id_before_writing(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert export_cli.main([str(SOURCE), str(tmp_path / "hf"), "--push-to-hub", "no-owner"]) == 2
     assert "needs a Hub repo id OWNER/NAME" in capsys.readouterr().err and not (tmp_path / "hf").exists()
+
+
+def test_from_pretrained_verifies_the_manifest(tmp_path: Path) -> None:
+    """A flipped byte in the weights is refused; verify_checksums=False and a folder without manifest load
+    unverified (``checksums_verified`` False)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    assert export_cli.main([str(SOURCE), str(out)]) == 0
+
+    def load(folder: Path, **kwargs):
+        return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **kwargs)
+
+    assert load(out).checksums_verified
+    flipped = tmp_path / "flipped"
+    shutil.copytree(out, flipped)
+    data = bytearray((flipped / "model.safetensors").read_bytes())
+    data[-5] ^= 0xFF  # a weight byte: the header still parses
+    (flipped / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="model.safetensors: checksum mismatch with manifest.json"):
+        load(flipped)
+    assert not load(flipped, verify_checksums=False).checksums_verified
+    (flipped / "manifest.json").unlink()
+    assert not load(flipped).checksums_verified
