@@ -15,7 +15,7 @@ import torch
 
 from tests.test_train_distributed import make_model_dir
 from titan_recur import ModelArgs, RecurrentLM, greedy_generate, load_model, save_model
-from titan_recur.hf.export import ExportError, export_hf, standalone_modeling_source
+from titan_recur.hf.export import ExportError, export_hf, lm_eval_command, standalone_modeling_source
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.convert.surgery import ConvertOptions, convert, plan_layers
 
@@ -209,7 +209,7 @@ def test_generate_as_lm_eval_hf_backend_calls_it(recurrent_dir: Path, exported: 
 
 
 def test_lm_eval_hf_backend_equals_the_project_harness(recurrent_dir: Path, exported: Path) -> None:
-    """`lm_eval --model hf` on the export (docs/hf.md's model args) and the project's `titan_recur` model on the
+    """`lm_eval --model hf` on the export (the model args the export tool prints) and the project's `titan_recur` model on the
     same weights: equal loglikelihoods and rolling loglikelihoods at batch 1 and 4, equal generations."""
     from lm_eval import simple_evaluate
     from lm_eval.api.registry import get_model
@@ -221,7 +221,7 @@ def test_lm_eval_hf_backend_equals_the_project_harness(recurrent_dir: Path, expo
     eos = json.loads((exported / "config.json").read_text())["eos_token_id"]
     models = {
         "hf": get_model("hf").create_from_arg_string(
-            f"pretrained={exported},trust_remote_code=True,dtype=float32,device=cpu,num_steps=3,prefix_token_id={eos}"
+            documented_model_args(lm_eval_command(exported, eos)) + ",dtype=float32,device=cpu,num_steps=3"
         ),
         "titan_recur": get_model("titan_recur").create_from_arg_string(f"pretrained={recurrent_dir},num_steps=3"),
     }
@@ -242,6 +242,11 @@ def test_lm_eval_hf_backend_equals_the_project_harness(recurrent_dir: Path, expo
             for a, b in zip(flat_hf, flat_ours):
                 assert a[0] == pytest.approx(b[0], rel=1e-5) and a[1] == b[1], (task, batch_size)
     assert samples["hf", 4]["titan_recur_tiny_gen"] == samples["titan_recur", 4]["titan_recur_tiny_gen"]
+
+
+def documented_model_args(command: str) -> str:
+    words = command.split()
+    return words[words.index("--model_args") + 1]
 
 
 def export_tool():

@@ -320,7 +320,7 @@ def model_card(
         lines += [f"A static baseline made with titan_recur: a plain {config['architectures'][0]}."]
     lines += ["", "## Usage", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
               f"model = AutoModelForCausalLM.from_pretrained({name!r}{remote})",
-              f"tokenizer = AutoTokenizer.from_pretrained({name!r})",
+              f"tokenizer = AutoTokenizer.from_pretrained({name!r}{remote})",
               'inputs = tokenizer("Question: What is 3 + 4?\\nAnswer:", return_tensors="pt")']
     if args.is_recurrent:
         lines += ["print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32, num_steps=16)[0]))", "```", "",

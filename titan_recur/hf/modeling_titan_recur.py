@@ -15,7 +15,10 @@ cache rows.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +39,9 @@ from titan_recur.training.recurrence import DEFAULT_SEED, DEFAULT_SIGMA, Recurre
 
 from .configuration_titan_recur import TitanRecurConfig
 
+logger = transformers.logging.get_logger(__name__)
+# The manifest titan_recur writes into every folder it makes (titan_recur/storage/manifest.py's format).
+MANIFEST_NAME = "manifest.json"
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 # Where transformers carries a model's cache between generation steps (outputs and model kwargs).
 CACHE_FIELD = "cache" if TRANSFORMERS_MAJOR >= 5 else "past_key_values"
@@ -96,6 +102,19 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         # Training forwards drawn so far: seeds the next depth draw (see draw_num_steps).
         self.depth_draws = 0
         self.post_init()
+
+    @classmethod
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, verify_checksums: bool = True, **kwargs: Any
+    ) -> "TitanRecurForCausalLM":
+        """transformers' from_pretrained; a local folder's files are first checked against its manifest.json
+        (sizes and xxh3 checksums, as titan_recur wrote them): a corrupt file is refused. ``model.checksums_verified``
+        says whether they were (False: ``verify_checksums=False``, no manifest, a Hub id, or no xxhash installed)."""
+        folder = Path(pretrained_model_name_or_path)
+        verified = verify_checksums and folder.is_dir() and verify_manifest(folder)
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model.checksums_verified = verified
+        return model
 
     def _init_weights(self, module: nn.Module) -> None:
         # titan_recur's own init (from_config); an export's weights then load over it.
@@ -372,6 +391,37 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             n_coda=a.n_coda, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, num_steps=num_steps,
             dtype=self.model.embed_tokens.weight.dtype, device=tokens.device,
         )
+
+
+def verify_manifest(folder: Path) -> bool:
+    """Check the files manifest.json lists (size, then xxh3-128); True when all were checksummed."""
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        logger.warning(f"{folder}: no {MANIFEST_NAME}: its files are loaded unverified")
+        return False
+    files = json.loads(path.read_text())["files"]
+    try:
+        import xxhash
+    except ImportError:
+        xxhash = None
+        logger.warning(f"{folder}: xxhash is not installed: only file sizes are checked (pip install xxhash)")
+    for name, entry in files.items():
+        file = folder / name
+        if not file.is_file() or file.stat().st_size != entry["bytes"]:
+            raise ValueError(f"{file}: missing or not the size {MANIFEST_NAME} records (truncated or corrupt); "
+                             "verify_checksums=False loads it anyway")
+        if xxhash is not None and _xxh3_128(file, xxhash) != entry["xxh3_128"]:
+            raise ValueError(f"{file}: checksum mismatch with {MANIFEST_NAME} (corrupt file); "
+                             "verify_checksums=False loads it anyway")
+    return xxhash is not None
+
+
+def _xxh3_128(path: Path, xxhash: Any) -> str:
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 class TransformersKVCache(KVCache):

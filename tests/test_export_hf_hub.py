@@ -1,0 +1,78 @@
+"""Hub-ready exports: a model card that parses, transformers_version, --push-to-hub up to the upload call, and
+the printed lm_eval command (docs/hf.md)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from titan_recur.cli import export as export_cli
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = REPO / "assets" / "tiny_llama_recurrent"
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_export_is_hub_ready_and_pushes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture) -> None:
+    import huggingface_hub
+    import transformers
+    from huggingface_hub import ModelCard
+
+    calls: list[tuple[str, dict]] = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: calls.append((repo_id, kw)))
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder",
+                        lambda self, **kw: calls.append(("upload", kw)) or "https://hub/commit/1")
+    out = tmp_path / "hf"
+    assert export_cli.main([str(SOURCE), str(out), "--push-to-hub", "someone/tiny-recurrent"]) == 0
+    printed = capsys.readouterr().out
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert card.data.license == "other" and "depth-recurrent" in card.data.tags
+    assert "trust_remote_code=True" in card.text and "num_steps" in card.text and "assets/tiny_llama" in card.text
+    assert json.loads((out / "config.json").read_text())["transformers_version"] == transformers.__version__
+    assert calls[0] == ("someone/tiny-recurrent", {"private": False, "exist_ok": True, "repo_type": "model"})
+    assert calls[1][0] == "upload" and calls[1][1]["folder_path"] == str(out)
+    assert calls[1][1]["repo_id"] == "someone/tiny-recurrent" and "uploaded to https://hub/commit/1" in printed
+    command = next(line.strip() for line in printed.splitlines() if line.strip().startswith("lm_eval "))
+    model_args = shlex.split(command)[shlex.split(command).index("--model_args") + 1]
+    assert model_args == f"pretrained={out},trust_remote_code=True,prefix_token_id=2"
+    assert f"`{command}`" not in card.text and command.replace(str(out), "someone/tiny-recurrent") in card.text
+
+
+def test_push_to_hub_refuses_a_bad_repo_id_before_writing(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert export_cli.main([str(SOURCE), str(tmp_path / "hf"), "--push-to-hub", "no-owner"]) == 2
+    assert "needs a Hub repo id OWNER/NAME" in capsys.readouterr().err and not (tmp_path / "hf").exists()
+
+
+def test_from_pretrained_verifies_the_manifest(tmp_path: Path) -> None:
+    """A flipped byte in the weights is refused; verify_checksums=False and a folder without manifest load
+    unverified (``checksums_verified`` False)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    assert export_cli.main([str(SOURCE), str(out)]) == 0
+
+    def load(folder: Path, **kwargs):
+        return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **kwargs)
+
+    assert load(out).checksums_verified
+    flipped = tmp_path / "flipped"
+    shutil.copytree(out, flipped)
+    data = bytearray((flipped / "model.safetensors").read_bytes())
+    data[-5] ^= 0xFF  # a weight byte: the header still parses
+    (flipped / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="model.safetensors: checksum mismatch with manifest.json"):
+        load(flipped)
+    assert not load(flipped, verify_checksums=False).checksums_verified
+    (flipped / "manifest.json").unlink()
+    assert not load(flipped).checksums_verified
