@@ -101,3 +101,22 @@ def test_crop_rolls_the_cache_back(model):
     assert cache.length == 5
     cache.crop(100)
     assert cache.length == 5
+
+
+def test_the_cli_decodes_speculatively_and_reports_acceptance(capsys):
+    """--draft-steps/--lookahead: the plain command's tokens, plus the acceptance rate and iterations per token."""
+    import json
+
+    from titan_recur.cli.generate import main
+
+    common = ["--checkpoint", "assets/tiny_llama_recurrent", "--prompt", "The sum of", "--num-steps", "8",
+              "--max-new-tokens", "12", "--json"]
+    assert main(common) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*common, "--draft-steps", "2", "--lookahead", "4"]) == 0
+    speculative = json.loads(capsys.readouterr().out)
+    assert speculative["prompts"][0]["tokens"] == plain["prompts"][0]["tokens"]
+    assert 0 <= speculative["speculation"]["acceptance_rate"] <= 1
+    assert speculative["speculation"]["core_iterations_per_token"] > 0
+    assert main([*common, "--draft-steps", "8"]) == 2
+    assert "draft_steps must be an integer in [1, num_steps - 1" in capsys.readouterr().err

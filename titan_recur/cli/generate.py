@@ -8,7 +8,9 @@ Examples:
 
 --prompts reads a JSON-lines file with a "prompt" string per line. --json prints one JSON object:
 {"prompts": [{"prompt", "text", "tokens", "steps_per_token", "mean_steps"}, ...], "mean_steps",
-"kv_cache_bytes" (the largest batch's cache), "tokens_per_sec", "settings"}. Errors are one line on
+"kv_cache_bytes" (the largest batch's cache), "tokens_per_sec", "settings"}, and with --draft-steps
+"speculation": {"acceptance_rate", "core_iterations_per_token"} (draft and verify iterations spent per
+accepted token). Errors are one line on
 stderr, exit code 2, before any decoding.
 """
 
@@ -73,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--iterations-per-call", type=int, default=GenerationOptions.iterations_per_call,
                         help="with --compile: core iterations per compiled call (default "
                         f"{GenerationOptions.iterations_per_call}; fewer = shorter first compile)")
+    parser.add_argument("--draft-steps", type=int, help="speculative decoding: draft at this many core iterations, "
+                        "verify at --num-steps in one forward (greedy output is that of --num-steps)")
+    parser.add_argument("--lookahead", type=int, default=GenerationOptions.lookahead,
+                        help=f"speculative decoding: tokens per draft-and-verify round (default {GenerationOptions.lookahead})")
     parser.add_argument("--json", action="store_true", help="print one JSON object (see above)")
     return parser
 
@@ -158,7 +164,7 @@ def options_from_args(args: argparse.Namespace, eos_id: int) -> GenerationOption
         exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold, min_steps=args.min_steps,
         check_every=args.check_every, state_init=args.state_init, temperature=args.temperature, top_p=args.top_p,
         seed=args.seed, eos_id=eos_id, compile=args.compile,
-        iterations_per_call=args.iterations_per_call,
+        iterations_per_call=args.iterations_per_call, draft_steps=args.draft_steps, lookahead=args.lookahead,
     )
 
 
@@ -185,13 +191,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = load_checkpoint(args.checkpoint, args.model_config, device=device, dtype=args.dtype,
                             unverified=args.unverified)
 
-    results, cache_bytes, seconds = [], 0, 0.0
+    results, cache_bytes, seconds, speculation = [], 0, 0.0, []
     for start in range(0, len(encoded), args.batch_size):
         input_ids, attention_mask = left_pad(encoded[start : start + args.batch_size], tokenizer.pad_id or 0)
         began = time.perf_counter()
         out = generate(model, input_ids.to(device), options, attention_mask=attention_mask.to(device))
         seconds += time.perf_counter() - began
         cache_bytes = max(cache_bytes, out.kv_cache_bytes)
+        if out.speculation is not None:
+            speculation.append(out.speculation)
         for tokens, steps, n in zip(out.tokens.tolist(), out.steps.tolist(), out.lengths.tolist()):
             text = tokenizer.decode([t for t in tokens[:n] if t != tokenizer.eos_id])
             results.append({"text": text, "tokens": tokens[:n], "steps_per_token": steps[:n],
@@ -199,13 +207,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for text, result in zip(texts, results):
         result["prompt"] = text
     n_tokens = sum(len(r["tokens"]) for r in results)
-    return {
+    report = {
         "prompts": results,
         "mean_steps": sum(sum(r["steps_per_token"]) for r in results) / n_tokens,
         "kv_cache_bytes": cache_bytes,
         "tokens_per_sec": n_tokens / seconds,
-        "settings": {k: v for k, v in vars(options).items() if k != "eos_id"},
+        "settings": {k: v for k, v in vars(options).items() if k not in ("eos_id", "generator")},
     }
+    if speculation:
+        drafted = sum(int(s.drafted.sum()) for s in speculation)
+        report["speculation"] = {
+            "acceptance_rate": sum(int(s.accepted.sum()) for s in speculation) / drafted if drafted else 0.0,
+            "core_iterations_per_token": sum(int(s.core_iterations.sum()) for s in speculation) / n_tokens,
+        }
+    return report
 
 
 def print_report(report: dict[str, Any]) -> None:
