@@ -14,24 +14,49 @@ REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets"
 
 _COMMON = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4, max_position_embeddings=256,
-    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
 )
 # name -> (architecture, config overrides, save_pretrained kwargs)
 TINY_HF_CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # GQA, head_dim != hidden / heads, theta != 10000.
     "llama": ("llama", dict(num_hidden_layers=6, num_key_value_heads=2, head_dim=32, rope_theta=50000.0), {}),
     # Llama-3 frequency scaling with a short original context, so sequences > 16 tokens exercise it.
-    "llama_rope_scaled": ("llama", dict(
-        num_hidden_layers=6, num_key_value_heads=2, rope_theta=10000.0,
-        rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=16),
-    ), {}),
+    "llama_rope_scaled": (
+        "llama",
+        dict(
+            num_hidden_layers=6,
+            num_key_value_heads=2,
+            rope_theta=10000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=4.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+        {},
+    ),
     # Tied embeddings (no lm_head tensor on disk), projection biases, several EOS ids.
-    "llama_tied": ("llama", dict(
-        num_hidden_layers=6, num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
-        eos_token_id=[2, 3],
-    ), {}),
+    "llama_tied": (
+        "llama",
+        dict(
+            num_hidden_layers=6,
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+            attention_bias=True,
+            mlp_bias=True,
+            eos_token_id=[2, 3],
+        ),
+        {},
+    ),
     "llama_sharded": ("llama", dict(num_hidden_layers=6, num_key_value_heads=2), dict(max_shard_size="100KB")),
     "olmo2": ("olmo2", dict(num_hidden_layers=6, num_key_value_heads=4, rms_norm_eps=1e-6), {}),
 }

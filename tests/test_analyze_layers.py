@@ -15,9 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from titan_recur.convert.layer_analysis import InMemoryWeights, build_model, candidate_plans, layer_statistics, static_plan
-from titan_recur.eval.__main__ import main as eval_main
+from titan_recur.convert.layer_analysis import (
+    InMemoryWeights,
+    build_model,
+    candidate_plans,
+    layer_statistics,
+    static_plan,
+)
 from titan_recur.convert.surgery import read_source
+from titan_recur.eval.__main__ import main as eval_main
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets"
@@ -141,8 +147,11 @@ def test_llama_near_identity_layers_rank_most_droppable(llama_2_2_2):
     assert two_smallest([abs(row["drop_loss_increase"]) for row in layers]) == {2, 3}
     assert all(row["drop_loss_increase"] > 1e-2 for row in layers if row["layer"] not in (2, 3))
     assert report["most_redundant_spans"][1]["layers"] == [2, 3]
-    assert report["angular_distance"][2][1] < 1e-2 < min(r[1] for i, r in enumerate(report["angular_distance"][:-1])
-                                                         if i != 2)
+    assert (
+        report["angular_distance"][2][1]
+        < 1e-2
+        < min(r[1] for i, r in enumerate(report["angular_distance"][:-1]) if i != 2)
+    )
     ranked = report["candidates"]["ranked"]
     assert report["candidates"]["total"] == len(ranked) == 3  # core 2-3, 3-4 or 4-5 between 0-1 and 6-7
     best = ranked[0]
@@ -177,9 +186,15 @@ def test_budget_enumerates_every_shape_and_measures_the_most_redundant(llama_2_3
     ranked = candidates["ranked"]
     assert sum("loss_identity_r1" in row for row in ranked) == 5
     # Every (P, R, C, core start) that drops just 2-3: all keep the same layers in order, so the same loss.
-    drop_2_3 = {((*range(p),), (*range(s, s + r),), (*range(8 - c, 8),))
-                for p in range(1, 5) for r in range(1, 5) for c in [6 - p - r] if c >= 1
-                for s in range(p, 8 - c - r + 1) if {*range(p, s), *range(s + r, 8 - c)} == {2, 3}}
+    drop_2_3 = {
+        ((*range(p),), (*range(s, s + r),), (*range(8 - c, 8),))
+        for p in range(1, 5)
+        for r in range(1, 5)
+        for c in [6 - p - r]
+        if c >= 1
+        for s in range(p, 8 - c - r + 1)
+        if {*range(p, s), *range(s + r, 8 - c)} == {2, 3}
+    }
     assert len(drop_2_3) == 4
     assert {(tuple(row["prelude"]), tuple(row["core"]), tuple(row["coda"])) for row in ranked[:4]} == drop_2_3
     assert sorted(row["angular_rank"] for row in ranked[:4]) == [1, 2, 3, 4]
@@ -207,7 +222,11 @@ def test_candidate_plans_place_the_core_between_prelude_and_coda():
     assert [p.core[0] for p in plans] == list(range(4, 11))
     paper = plans[-1]  # the paper's TinyLlama 4,8,4
     assert (paper.prelude, paper.core, paper.coda, paper.dropped) == (
-        tuple(range(4)), tuple(range(10, 18)), tuple(range(18, 22)), tuple(range(4, 10)))
+        tuple(range(4)),
+        tuple(range(10, 18)),
+        tuple(range(18, 22)),
+        tuple(range(4, 10)),
+    )
 
 
 # ---------------------------------------------------------------- bad input

@@ -14,15 +14,19 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "titan_recur"
 # Folder (or top-level module) -> layer. A module may import its own folder or any lower layer.
 LAYER = {
-    "models": 0, "utils": 0,
+    "models": 0,
+    "utils": 0,
     "config": 1,
-    "data": 2, "storage": 2, "inference": 2,
+    "data": 2,
+    "storage": 2,
+    "inference": 2,
     "training": 3,
     "eval": 4,
     "convert": 5,
     "hf": 6,
     "cli": 7,
-    "train": 8, "generate": 8,  # the `python -m titan_recur.train|generate` entry points
+    "train": 8,
+    "generate": 8,  # the `python -m titan_recur.train|generate` entry points
 }
 DATA_FOLDERS = {"train_configs", "tasks"}  # shipped files, no code
 
@@ -83,19 +87,23 @@ RUNS_THE_TRAINER = {"bench_step.py"}
 def test_tools_build_from_config_not_from_the_trainer():
     bad = [
         f"{path.relative_to(REPO)}:{line}"
-        for path in sorted((REPO / "tools").glob("*.py")) if path.name not in RUNS_THE_TRAINER
+        for path in sorted((REPO / "tools").glob("*.py"))
+        if path.name not in RUNS_THE_TRAINER
         for line, module in titan_recur_imports(path)
         if module == "titan_recur.training.trainer"
     ]
     assert not bad, bad
 
 
-@pytest.mark.parametrize("source", [
-    "def f():\n    from titan_recur.training.trainer import Trainer\n",
-    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from titan_recur.config import Model\n",
-    "import titan_recur.storage.model_io\n",
-    "from titan_recur import data\n",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "def f():\n    from titan_recur.training.trainer import Trainer\n",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from titan_recur.config import Model\n",
+        "import titan_recur.storage.model_io\n",
+        "from titan_recur import data\n",
+    ],
+)
 def test_the_check_sees_a_planted_upward_import(source: str):
     """An upward import planted in the model folder is reported, whether run at call time or for typing only."""
     planted = PACKAGE / "models" / "_planted_upward_import.py"

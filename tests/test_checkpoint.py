@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.test_train_distributed import make_model_dir
 from tests.torchrun_util import REPO_ROOT, WORKERS_DIR, run_torchrun
+from titan_recur.models.model import RecurrentLM
 from titan_recur.storage.checkpoint import ModelState, load_from, scan_checkpoints
 from titan_recur.storage.model_io import WEIGHTS_NAME, read_model_args, write_model_args
-from titan_recur.models.model import RecurrentLM
 from titan_recur.training.trainer import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP reads here, no process group
@@ -79,13 +79,13 @@ enable_tensorboard = false
 CORPUS_DATA = f"""
 [[data.sources]]
 name = "general"
-path = "{CORPUS / 'general.jsonl'}"
+path = "{CORPUS / "general.jsonl"}"
 kind = "jsonl"
 shuffle_buffer = 8
 
 [[data.sources]]
 name = "math"
-path = "{CORPUS / 'math.jsonl'}"
+path = "{CORPUS / "math.jsonl"}"
 kind = "jsonl"
 shuffle_buffer = 8
 """
@@ -159,8 +159,9 @@ def start_torchrun(args: list[str], log: Path) -> subprocess.Popen:
     """torchrun with 2 ranks in a new session, output to ``log``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def start_ranks(args: list[str], nproc: int, logs: Path) -> list[subprocess.Popen]:
@@ -170,11 +171,26 @@ def start_ranks(args: list[str], nproc: int, logs: Path) -> list[subprocess.Pope
         port = s.getsockname()[1]
     procs = []
     for rank in range(nproc):
-        env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc)}
+        env = {
+            **ENV,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(nproc),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(nproc),
+        }
         with open(logs / f"rank{rank}.log", "w") as out:
-            procs.append(subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, env=env, stdout=out,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, *args],
+                    cwd=REPO_ROOT,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
     return procs
 
 
@@ -235,7 +251,11 @@ def run_single_jobs(jobs: list[dict], tmp: Path) -> list[dict]:
     jobs_file.write_text(json.dumps(jobs))
     proc = subprocess.run(
         [sys.executable, str(WORKERS_DIR / "ckpt_worker.py"), str(jobs_file), str(results_file)],
-        cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+        cwd=REPO_ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(results_file.read_text())
@@ -265,8 +285,11 @@ def reference(normal_init_model, tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("reference")
     config = write_config(root / "run.toml", normal_init_model, CORPUS_DATA)
     dump = root / "dump"
-    run_torchrun([*TRAIN, "--config", str(config), "--job.dump_folder", str(dump),
-                  "--checkpoint.keep_latest_k", "0"], nproc=2, timeout=LAUNCH_TIMEOUT)
+    run_torchrun(
+        [*TRAIN, "--config", str(config), "--job.dump_folder", str(dump), "--checkpoint.keep_latest_k", "0"],
+        nproc=2,
+        timeout=LAUNCH_TIMEOUT,
+    )
     assert [r["step"] for r in read_metrics(dump)] == list(range(1, 13))
     return config, dump
 
@@ -326,8 +349,17 @@ def test_sigterm_and_sigusr1_checkpoint_exit_42_and_resume_exactly(reference, tm
     ref = read_metrics(ref_dump)
     dump = tmp_path / "dump"
     shutil.copytree(ref_dump / "checkpoints" / "step-6", dump / "checkpoints" / "step-6")
-    args = [*TRAIN, "--config", str(config), "--job.dump_folder", str(dump),
-            "--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "0"]
+    args = [
+        *TRAIN,
+        "--config",
+        str(config),
+        "--job.dump_folder",
+        str(dump),
+        "--checkpoint.async_mode",
+        "async",
+        "--checkpoint.keep_latest_k",
+        "0",
+    ]
     procs = start_ranks(args, nproc=2, logs=tmp_path)
     try:
         wait_for_step(dump, 10, procs, tmp_path / "rank0.log")
@@ -353,8 +385,10 @@ def test_sigterm_and_sigusr1_checkpoint_exit_42_and_resume_exactly(reference, tm
     assert_logged_as_reference(read_metrics(dump), ref)
     assert_same_final_model(dump, ref_dump)
     # Step 9 was saved in the background while training went on: identical to the synchronous save.
-    assert_equal_nested(read_checkpoint(dump / "checkpoints" / "step-9", tmp_path),
-                        read_checkpoint(ref_dump / "checkpoints" / "step-9", tmp_path))
+    assert_equal_nested(
+        read_checkpoint(dump / "checkpoints" / "step-9", tmp_path),
+        read_checkpoint(ref_dump / "checkpoints" / "step-9", tmp_path),
+    )
 
 
 # ------------------------------------------------------------------------------------- resharding
@@ -387,15 +421,21 @@ def test_resharding_2_to_1_and_1_to_2_continues_with_the_same_losses(tmp_path):
 
     run_torchrun([*TRAIN, *base, *two_ranks, "--job.dump_folder", str(two)], nproc=2, timeout=LAUNCH_TIMEOUT)
     shutil.copytree(two, to_one)
-    results = run_single_jobs([
-        {"argv": [*base, *one_rank, "--job.dump_folder", str(one)]},
-        {"argv": [*base, *one_rank, "--job.dump_folder", str(to_one), "--checkpoint.load_step", "6"],
-         "watch": str(to_one / "checkpoints")},
-        {"argv": [*base, *one_rank, "--job.dump_folder", str(to_one), *resume_6]},
-    ], tmp_path)
+    results = run_single_jobs(
+        [
+            {"argv": [*base, *one_rank, "--job.dump_folder", str(one)]},
+            {
+                "argv": [*base, *one_rank, "--job.dump_folder", str(to_one), "--checkpoint.load_step", "6"],
+                "watch": str(to_one / "checkpoints"),
+            },
+            {"argv": [*base, *one_rank, "--job.dump_folder", str(to_one), *resume_6]},
+        ],
+        tmp_path,
+    )
     shutil.copytree(one, to_two)
-    run_torchrun([*TRAIN, *base, *two_ranks, "--job.dump_folder", str(to_two), *resume_6], nproc=2,
-                 timeout=LAUNCH_TIMEOUT)
+    run_torchrun(
+        [*TRAIN, *base, *two_ranks, "--job.dump_folder", str(to_two), *resume_6], nproc=2, timeout=LAUNCH_TIMEOUT
+    )
 
     plain, refused, resharded = results
     assert plain["rc"] == 0 and resharded["rc"] == 0, plain["stderr"][-3000:] + resharded["stderr"][-3000:]
@@ -403,8 +443,10 @@ def test_resharding_2_to_1_and_1_to_2_continues_with_the_same_losses(tmp_path):
     assert "written by 2 ranks, this run has 1" in error_line(refused) and "data.reshard" in error_line(refused)
     assert "resharded" in resharded["stdout"] and "from 2 to 1 ranks" in resharded["stdout"]
 
-    losses = {name: torch.tensor([r["loss"] for r in read_metrics(d)], dtype=torch.float64) for name, d in
-              (("two", two), ("one", one), ("to_one", to_one), ("to_two", to_two))}
+    losses = {
+        name: torch.tensor([r["loss"] for r in read_metrics(d)], dtype=torch.float64)
+        for name, d in (("two", two), ("one", one), ("to_one", to_one), ("to_two", to_two))
+    }
     # 1 and 2 ranks differ only in float reduction order, which Muon's bf16 Newton-Schulz amplifies to
     # <= 3.2e-5 relative in the loss over these steps. Dropping either optimizer's state at the resize
     # (measured) moves the loss by >= 1e-3 relative within 3 steps: rtol 1e-4 tells the two apart. The
@@ -428,38 +470,90 @@ def single(normal_init_model, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("single")
     config = write_config(root / "run.toml", normal_init_model, CORPUS_DATA)
     d = {name: root / name for name in ("base", "nan", "skip", "limit", "init", "init_run")}
-    run = ["--config", str(config), "--training.steps", "6", "--training.global_batch_size", "4",
-           "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
+    run = [
+        "--config",
+        str(config),
+        "--training.steps",
+        "6",
+        "--training.global_batch_size",
+        "4",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+    ]
     skip = ["--training.skip_nonfinite", "true"]
     nan_at = ["--debug.inject_nan_at_step", "5"]
     base_ckpt = d["base"] / "checkpoints"
     jobs = {
         "base": {"argv": [*run, "--job.dump_folder", str(d["base"])]},
-        "missing_step": {"argv": [*run, "--job.dump_folder", str(d["base"]), "--checkpoint.load_step", "5"],
-                         "watch": str(base_ckpt)},
-        "other_shape": {"argv": [*run, "--job.dump_folder", str(d["base"]),
-                                 "--model.path", str(REPO_ROOT / "assets" / "tiny_llama_recurrent")],
-                        "watch": str(base_ckpt)},
-        "initial_load": {"argv": [*run, "--job.dump_folder", str(d["init"]),
-                                  "--checkpoint.initial_load_path", str(base_ckpt / "step-4")],
-                         "resume_only": str(root / "initial_load.pt")},
-        "initial_load_run": {"argv": [*run, "--job.dump_folder", str(d["init_run"]), "--training.steps", "2",
-                                      "--checkpoint.initial_load_path", str(base_ckpt / "step-4")]},
-        "initial_load_rerun": {"argv": [*run, "--job.dump_folder", str(d["init_run"]), "--training.steps", "3",
-                                        "--checkpoint.allow_changes", "steps",
-                                        "--checkpoint.initial_load_path", str(base_ckpt / "step-4")]},
-        "nan_stop": {"argv": [*run, *nan_at, "--job.dump_folder", str(d["nan"])],
-                     "watch": str(d["nan"] / "checkpoints")},
+        "missing_step": {
+            "argv": [*run, "--job.dump_folder", str(d["base"]), "--checkpoint.load_step", "5"],
+            "watch": str(base_ckpt),
+        },
+        "other_shape": {
+            "argv": [
+                *run,
+                "--job.dump_folder",
+                str(d["base"]),
+                "--model.path",
+                str(REPO_ROOT / "assets" / "tiny_llama_recurrent"),
+            ],
+            "watch": str(base_ckpt),
+        },
+        "initial_load": {
+            "argv": [
+                *run,
+                "--job.dump_folder",
+                str(d["init"]),
+                "--checkpoint.initial_load_path",
+                str(base_ckpt / "step-4"),
+            ],
+            "resume_only": str(root / "initial_load.pt"),
+        },
+        "initial_load_run": {
+            "argv": [
+                *run,
+                "--job.dump_folder",
+                str(d["init_run"]),
+                "--training.steps",
+                "2",
+                "--checkpoint.initial_load_path",
+                str(base_ckpt / "step-4"),
+            ]
+        },
+        "initial_load_rerun": {
+            "argv": [
+                *run,
+                "--job.dump_folder",
+                str(d["init_run"]),
+                "--training.steps",
+                "3",
+                "--checkpoint.allow_changes",
+                "steps",
+                "--checkpoint.initial_load_path",
+                str(base_ckpt / "step-4"),
+            ]
+        },
+        "nan_stop": {
+            "argv": [*run, *nan_at, "--job.dump_folder", str(d["nan"])],
+            "watch": str(d["nan"] / "checkpoints"),
+        },
         "nan_resume": {"argv": [*run, "--job.dump_folder", str(d["nan"])]},
-        "nan_skip": {"argv": [*run, *skip, *nan_at, "--training.max_skipped_steps", "1",
-                              "--job.dump_folder", str(d["skip"])]},
-        "nan_limit": {"argv": [*run, *skip, *nan_at, "--training.max_skipped_steps", "0",
-                               "--job.dump_folder", str(d["limit"])]},
-        "corrupt": {"argv": [*run, "--job.dump_folder", str(d["base"])], "watch": str(base_ckpt),
-                    "truncate": str(base_ckpt / "step-6" / ".metadata")},
+        "nan_skip": {
+            "argv": [*run, *skip, *nan_at, "--training.max_skipped_steps", "1", "--job.dump_folder", str(d["skip"])]
+        },
+        "nan_limit": {
+            "argv": [*run, *skip, *nan_at, "--training.max_skipped_steps", "0", "--job.dump_folder", str(d["limit"])]
+        },
+        "corrupt": {
+            "argv": [*run, "--job.dump_folder", str(d["base"])],
+            "watch": str(base_ckpt),
+            "truncate": str(base_ckpt / "step-6" / ".metadata"),
+        },
     }
     results = run_single_jobs(list(jobs.values()), root)
-    return {"results": dict(zip(jobs, results)), "dirs": d, "root": root, "model": normal_init_model}
+    return {"results": dict(zip(jobs, results, strict=False)), "dirs": d, "root": root, "model": normal_init_model}
 
 
 def test_nonfinite_loss_stops_and_the_last_good_checkpoint_is_intact(single):

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_recur.data.tokenizer import load_tokenizer
 from titan_recur.eval.comparison import EvalSettings, compare, read_run
 from titan_recur.inference.engine import greedy_generate
 from titan_recur.storage.model_io import load_model
-from titan_recur.data.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow  # every test shares the quick miniature run (~2 min)
 
@@ -45,8 +45,14 @@ def mini(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """bash tools/reproduce_mini.sh --quick: every stage, both arms trained on 2 ranks, the comparison written."""
     out = tmp_path_factory.mktemp("mini") / "out"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(["bash", "tools/reproduce_mini.sh", "--quick", "--out", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        ["bash", "tools/reproduce_mini.sh", "--quick", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return out
 
@@ -71,8 +77,11 @@ def test_the_effect_reproduces_on_its_own_run(mini: Path, report: dict) -> None:
     for run, r in ((recurrent, "1"), (recurrent, "4"), (static, "1")):
         scores = run["points"][-1]["results"][r]["tasks"]
         long_chains[(run["label"], r)] = sum(scores[t][METRIC] for t in TASKS) / len(TASKS)
-    at_r1, at_r4, baseline = long_chains[("recurrent_s0", "1")], long_chains[("recurrent_s0", "4")], \
-        long_chains[("static_x1", "1")]
+    at_r1, at_r4, baseline = (
+        long_chains[("recurrent_s0", "1")],
+        long_chains[("recurrent_s0", "4")],
+        long_chains[("static_x1", "1")],
+    )
     assert at_r4 > at_r1 + 0.15, long_chains
     assert at_r4 > baseline + 0.15, long_chains
     assert recurrent["flops"]["paper"] == pytest.approx(static["flops"]["paper"], rel=0.01)  # matched
@@ -87,8 +96,17 @@ def test_the_effect_reproduces_on_its_own_run(mini: Path, report: dict) -> None:
 def test_pipeline_stages_and_matched_steps(mini: Path, report: dict) -> None:
     with (mini / "timings.tsv").open() as f:
         stages = [row["stage"] for row in csv.DictReader(f, delimiter="\t")]
-    assert stages == ["task", "convert_recurrent", "convert_static", "match", "train_static_x1",
-                      "train_recurrent_s0", "compare", "summarize", "total"]
+    assert stages == [
+        "task",
+        "convert_recurrent",
+        "convert_static",
+        "match",
+        "train_static_x1",
+        "train_recurrent_s0",
+        "compare",
+        "summarize",
+        "total",
+    ]
     recurrent, static = report["runs"]
     assert (recurrent["recurrent"], static["recurrent"]) == (True, False)
     assert recurrent["world_size"] == static["world_size"] == 2
@@ -103,8 +121,7 @@ def test_pipeline_stages_and_matched_steps(mini: Path, report: dict) -> None:
                 assert set(entry["tasks"]) == set(TASKS) and all(0 <= entry["tasks"][t][METRIC] <= 1 for t in TASKS)
 
 
-def test_flops_equal_tools_flops_and_the_paper_formula(mini: Path, report: dict,
-                                                       capsys: pytest.CaptureFixture) -> None:
+def test_flops_equal_tools_flops_and_the_paper_formula(mini: Path, report: dict, capsys: pytest.CaptureFixture) -> None:
     """Every evaluated step of both runs: the report's FLOPs are what tools/flops.py prints for the run's config."""
     flops_tool = load_tool("flops")
     for run in report["runs"]:
@@ -167,8 +184,9 @@ def test_scores_equal_direct_evaluation(mini: Path, report: dict) -> None:
     for run in report["runs"]:
         model_dir = Path(run["folder"]) / "final_model"
         for r, entry in run["points"][-1]["results"].items():
-            assert entry["loss"] == pytest.approx(hand_answer_loss(model_dir, task / "validation.jsonl", int(r)),
-                                                  rel=1e-5)
+            assert entry["loss"] == pytest.approx(
+                hand_answer_loss(model_dir, task / "validation.jsonl", int(r)), rel=1e-5
+            )
             for name in TASKS:
                 rows = [json.loads(line) for line in (task / f"eval_{name.split('_')[-1]}.jsonl").open()]
                 assert entry["tasks"][name][METRIC] == pytest.approx(direct_exact_match(model_dir, rows, int(r)))
@@ -211,26 +229,38 @@ def test_world_size_is_checked(mini: Path, tmp_path: Path) -> None:
 def test_in_process_loss_only_with_progress(mini: Path) -> None:
     """compare() without tasks: the loss alone, one progress tick per (model, r)."""
     task = mini / "task"
-    settings = EvalSettings(recurrences=[1, 8], data=str(task / "validation.jsonl"), loss_batches=1,
-                            loss_batch_size=2, seq_len=32, device="cpu")
+    settings = EvalSettings(
+        recurrences=[1, 8],
+        data=str(task / "validation.jsonl"),
+        loss_batches=1,
+        loss_batch_size=2,
+        seq_len=32,
+        device="cpu",
+    )
     calls = []
-    result = compare([read_run(mini / "runs" / "recurrent_s0"), read_run(mini / "runs" / "static_x1")], settings,
-                     progress=lambda total: lambda: calls.append(total))
+    result = compare(
+        [read_run(mini / "runs" / "recurrent_s0"), read_run(mini / "runs" / "static_x1")],
+        settings,
+        progress=lambda total: lambda: calls.append(total),
+    )
     assert calls == [2 + 1] * 3  # final recurrent model x 2 r + one static evaluation
     recurrent, static = result["runs"]
     assert list(recurrent["points"][0]["results"]) == ["1", "8"] and list(static["points"][0]["results"]) == ["1"]
     assert "tasks" not in recurrent["points"][0]["results"]["8"]
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["/nonexistent", "--data", "{data}"], ["not a training run"]),
-    (["{static}"], ["nothing to measure"]),
-    (["{static}", "--task", "/nonexistent/task.yaml"], ["no such task file"]),
-    (["{static}", "--data", "/nonexistent.jsonl"], ["--data"]),
-    (["{static}", "--recurrences", "0,2", "--data", "{data}"], ["--recurrences"]),
-    (["{static}", "{static}", "--labels", "a", "--data", "{data}"], ["--labels"]),
-    (["{static}", "--world-size", "1", "--data", "{data}"], ["written by 2 rank"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["/nonexistent", "--data", "{data}"], ["not a training run"]),
+        (["{static}"], ["nothing to measure"]),
+        (["{static}", "--task", "/nonexistent/task.yaml"], ["no such task file"]),
+        (["{static}", "--data", "/nonexistent.jsonl"], ["--data"]),
+        (["{static}", "--recurrences", "0,2", "--data", "{data}"], ["--recurrences"]),
+        (["{static}", "{static}", "--labels", "a", "--data", "{data}"], ["--labels"]),
+        (["{static}", "--world-size", "1", "--data", "{data}"], ["written by 2 rank"]),
+    ],
+)
 def test_cli_errors_are_one_line(mini, tmp_path, capsys, argv: list[str], words: list[str]) -> None:
     tool = load_tool("compare")
     data = str(mini / "task" / "validation.jsonl")
@@ -247,9 +277,29 @@ def test_cli_errors_are_one_line(mini, tmp_path, capsys, argv: list[str], words:
 def test_cli_prints_the_table(mini, tmp_path, capsys) -> None:
     tool = load_tool("compare")
     out = tmp_path / "out"
-    assert tool.main([str(mini / "runs" / "recurrent_s0"), str(mini / "runs" / "static_x1"), "--labels", "rec,stat",
-                      "--data", str(mini / "task" / "validation.jsonl"), "--recurrences", "1,4",
-                      "--loss-batches", "1", "--loss-batch-size", "2", "--seq-len", "32", "--out", str(out)]) == 0
+    assert (
+        tool.main(
+            [
+                str(mini / "runs" / "recurrent_s0"),
+                str(mini / "runs" / "static_x1"),
+                "--labels",
+                "rec,stat",
+                "--data",
+                str(mini / "task" / "validation.jsonl"),
+                "--recurrences",
+                "1,4",
+                "--loss-batches",
+                "1",
+                "--loss-batch-size",
+                "2",
+                "--seq-len",
+                "32",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "## held-out loss" in printed and "| rec |" in printed and "wrote" in printed
     result = json.loads((out / "compare.json").read_text())
@@ -261,11 +311,30 @@ def test_bench_task_decodes_the_harness_answers(mini: Path, report: dict, capsys
     exact match per length at the same r; latest sharing keeps the static model's cache size."""
     bench = load_tool("bench_generate")
     model = mini / "runs" / "recurrent_s0" / "final_model"
-    bench.main(["task", "--checkpoint", str(model), "--task-dir", str(mini / "task"), "--lengths", "7-12",
-                "--num-steps", "4", "--recurrences", "1", "--kv-sharing-modes", "latest",
-                "--thresholds", "kl:1e-3"])
-    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in capsys.readouterr().out.splitlines()
-            if line.startswith("| ") and not line.startswith("| setting")}
+    bench.main(
+        [
+            "task",
+            "--checkpoint",
+            str(model),
+            "--task-dir",
+            str(mini / "task"),
+            "--lengths",
+            "7-12",
+            "--num-steps",
+            "4",
+            "--recurrences",
+            "1",
+            "--kv-sharing-modes",
+            "latest",
+            "--thresholds",
+            "kl:1e-3",
+        ]
+    )
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:-1]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| ") and not line.startswith("| setting")
+    }
     assert set(rows) == {"full r=1", "full r=4", "latest r=4", "full r=4, warm start", "exit kl < 0.001 (max 4)"}
     scores = report["runs"][0]["points"][-1]["results"]
     for r in QUICK_RECURRENCES:

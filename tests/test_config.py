@@ -143,13 +143,16 @@ def test_optional_and_literal_from_toml(tmp_path):
         ("[job]\ndeterministic = 1\n", "[job] deterministic expects bool, got 1"),
         ("[training]\nsteps = true\n", "[training] steps expects int, got True"),
         ("[training]\nsteps = 1.5\n", "[training] steps expects int, got 1.5"),
-        ("[training]\nsteps = \"10\"\n", "[training] steps expects int, got '10'"),
+        ('[training]\nsteps = "10"\n', "[training] steps expects int, got '10'"),
         ("[optimizer]\nlr = false\n", "[optimizer] lr expects float, got False"),
-        ("[training]\nac_mode = \"some\"\n", "[training] ac_mode expects one of 'none', 'full', 'per_iteration', got 'some'"),
-        ("[validation]\nrecurrences = [1, \"a\"]\n", "[validation.recurrences][1] expects int, got 'a'"),
+        (
+            '[training]\nac_mode = "some"\n',
+            "[training] ac_mode expects one of 'none', 'full', 'per_iteration', got 'some'",
+        ),
+        ('[validation]\nrecurrences = [1, "a"]\n', "[validation.recurrences][1] expects int, got 'a'"),
         ("[validation]\nrecurrences = 4\n", "[validation] recurrences expects list[int], got 4"),
         ("[optimizer]\nadamw_betas = [0.9]\n", "[optimizer] adamw_betas expects tuple[float, float], got [0.9]"),
-        ("[training]\nglobal_batch_size = \"none\"\n", "[training] global_batch_size expects int | None, got 'none'"),
+        ('[training]\nglobal_batch_size = "none"\n', "[training] global_batch_size expects int | None, got 'none'"),
         ("training = 5\n", "[training] expects table, got 5"),
     ],
 )
@@ -165,9 +168,15 @@ def test_wrong_type_in_file_names_file_key_and_type(tmp_path, toml, expected):
         (["--training.steps=1.0"], "command line: --training.steps expects int, got '1.0'"),
         (["--training.compile", "maybe"], "command line: --training.compile expects bool, got 'maybe'"),
         (["--job.seed", "true"], "command line: --job.seed expects int, got 'true'"),
-        (["--training.device", "tpu"], "command line: --training.device expects one of 'auto', 'cpu', 'cuda', got 'tpu'"),
+        (
+            ["--training.device", "tpu"],
+            "command line: --training.device expects one of 'auto', 'cpu', 'cuda', got 'tpu'",
+        ),
         (["--model.shape", "4,x,4"], "command line: --model.shape expects list[int], got '4,x,4'"),
-        (["--optimizer.adamw_betas", "0.9"], "command line: --optimizer.adamw_betas expects tuple[float, float], got '0.9'"),
+        (
+            ["--optimizer.adamw_betas", "0.9"],
+            "command line: --optimizer.adamw_betas expects tuple[float, float], got '0.9'",
+        ),
         (["--training.seq_len", "none"], "command line: --training.seq_len expects int, got 'none'"),
         (["--training.steps"], "command line: --training.steps needs a value (int)"),
     ],
@@ -250,7 +259,10 @@ def test_array_of_tables_errors_carry_the_path(tmp_path):
         (MODEL + ["--recurrence.warmup_fraction", "1.5"], "recurrence.warmup_fraction must be in [0, 1], got 1.5"),
         (MODEL + ["--recurrence.start", "40"], "recurrence.mean_recurrence (32) must be >= recurrence.start (40)"),
         (MODEL + ["--recurrence.backprop_depth", "0"], "recurrence.backprop_depth must be >= 1, got 0"),
-        (MODEL + ["--lr_scheduler.warmup_fraction", "0.5"], "lr_scheduler.warmup_fraction + decay_fraction must be <= 1"),
+        (
+            MODEL + ["--lr_scheduler.warmup_fraction", "0.5"],
+            "lr_scheduler.warmup_fraction + decay_fraction must be <= 1",
+        ),
         (MODEL + ["--training.global_batch_size", "20"], "training.global_batch_size (20) must be a multiple of"),
         (MODEL + ["--parallel.dp_shard", "0"], "parallel.dp_shard must be -1 or >= 1, got 0"),
         (MODEL + ["--model.preset", "tinyllama-1.1b"], "model.preset needs model.shape = P,R,C"),
@@ -338,7 +350,9 @@ def test_validate_accepts_defaults_with_a_model():
 
 def test_extends_merges_tables_and_replaces_arrays(tmp_path):
     (tmp_path / "base").mkdir()
-    write(tmp_path, """
+    write(
+        tmp_path,
+        """
         [training]
         steps = 100
         seq_len = 256
@@ -348,23 +362,30 @@ def test_extends_merges_tables_and_replaces_arrays(tmp_path):
         path = "base.jsonl"
         [[data.sources]]
         path = "base2.jsonl"
-        """, "base/common.toml")
+        """,
+        "base/common.toml",
+    )
     write(tmp_path, 'extends = "common.toml"\n[training]\nsteps = 200\nlocal_batch_size = 4\n', "base/recipe.toml")
     write(tmp_path, '[model]\npath = "m"\n[training]\nlocal_batch_size = 2\n', "base/model.toml")
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         extends = ["base/recipe.toml", "base/model.toml"]
         [validation]
         recurrences = [8]
         [[data.sources]]
         path = "mine.jsonl"
-        """)
+        """,
+    )
     cfg = load_config(path)
     assert (cfg.training.steps, cfg.training.seq_len, cfg.training.local_batch_size) == (200, 256, 2)
     assert cfg.model.path == "m"
     assert cfg.validation.recurrences == [8]  # arrays replace
     assert [s.path for s in cfg.data.sources] == ["mine.jsonl"]  # arrays of tables too
     # The result is the same as the one file it stands for.
-    flat = write(tmp_path, """
+    flat = write(
+        tmp_path,
+        """
         [model]
         path = "m"
         [training]
@@ -375,7 +396,9 @@ def test_extends_merges_tables_and_replaces_arrays(tmp_path):
         recurrences = [8]
         [[data.sources]]
         path = "mine.jsonl"
-        """, "flat.toml")
+        """,
+        "flat.toml",
+    )
     assert load_config(flat) == cfg
 
 
@@ -404,8 +427,10 @@ def test_extends_errors_name_the_file(tmp_path):
     [
         (["--data.sources.0.path", "x.jsonl"], lambda d: [s.path for s in d.sources] == ["x.jsonl", "b"]),
         (["--data.sources.1.weight=2"], lambda d: [s.weight for s in d.sources] == [1.0, 2.0]),
-        (["--data.sources.2.path", "c", "--data.sources.2.kind", "jsonl"],
-         lambda d: (d.sources[2].path, d.sources[2].kind, d.sources[2].text_field) == ("c", "jsonl", "text")),
+        (
+            ["--data.sources.2.path", "c", "--data.sources.2.kind", "jsonl"],
+            lambda d: (d.sources[2].path, d.sources[2].kind, d.sources[2].text_field) == ("c", "jsonl", "text"),
+        ),
     ],
 )
 def test_cli_sets_fields_inside_arrays_of_tables(tmp_path, override, check):
@@ -416,22 +441,43 @@ def test_cli_sets_fields_inside_arrays_of_tables(tmp_path, override, check):
 def test_cli_sets_data_from_nothing_and_nested_phases():
     cfg = load_config(None, MODEL + ["--data.sources.0.path", "web.jsonl", "--data.sources.0.kind", "jsonl"])
     assert cfg.data.sources == [DataSource(path="web.jsonl", kind="jsonl")]
-    cfg = load_config(None, MODEL + [
-        "--data.phases.0.sources.0.path", "a", "--data.phases.1.start_step", "10",
-        "--data.phases.1.sources.0.path", "b", "--data.phases.1.sources.1.path", "c",
-    ])
+    cfg = load_config(
+        None,
+        MODEL
+        + [
+            "--data.phases.0.sources.0.path",
+            "a",
+            "--data.phases.1.start_step",
+            "10",
+            "--data.phases.1.sources.0.path",
+            "b",
+            "--data.phases.1.sources.1.path",
+            "c",
+        ],
+    )
     assert [(p.start_step, [s.path for s in p.sources]) for p in cfg.data.phases] == [(0, ["a"]), (10, ["b", "c"])]
 
 
 @pytest.mark.parametrize(
     "override, expected",
     [
-        (["--data.sources.1.path", "a"],
-         "command line: --data.sources.1.path: data.sources has 0 entries; use an entry number up to 0 "
-         "(that one appends a new entry)"),
-        (["--data.sources.0.pth", "a"], "command line: unknown option --data.sources.0.pth (did you mean --data.sources.0.path?)"),
-        (["--data.sources.x.path", "a"], "command line: --data.sources.x.path: expected an entry number after --data.sources, got 'x'"),
-        (["--data.sources.0", "a"], "command line: --data.sources.0 is a table; set its fields as --data.sources.0.key"),
+        (
+            ["--data.sources.1.path", "a"],
+            "command line: --data.sources.1.path: data.sources has 0 entries; use an entry number up to 0 "
+            "(that one appends a new entry)",
+        ),
+        (
+            ["--data.sources.0.pth", "a"],
+            "command line: unknown option --data.sources.0.pth (did you mean --data.sources.0.path?)",
+        ),
+        (
+            ["--data.sources.x.path", "a"],
+            "command line: --data.sources.x.path: expected an entry number after --data.sources, got 'x'",
+        ),
+        (
+            ["--data.sources.0", "a"],
+            "command line: --data.sources.0 is a table; set its fields as --data.sources.0.key",
+        ),
         (["--data.sources.0.weight", "heavy"], "command line: --data.sources.0.weight expects float, got 'heavy'"),
         (["--data.phases.0.sources", "a"], "command line: --data.phases.0.sources is an array of tables"),
         (["--training.steps.0", "1"], "command line: unknown option --training.steps.0"),

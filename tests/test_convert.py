@@ -14,9 +14,6 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from titan_recur.models.args import PRESETS
-from titan_recur.storage.model_io import WEIGHTS_NAME, load_model, load_state_dict_into, read_model_args
-from titan_recur.models.model import RecurrentLM
 from titan_recur.convert.surgery import (
     ConversionError,
     ConvertOptions,
@@ -29,6 +26,9 @@ from titan_recur.convert.surgery import (
     plan_layers,
     read_source,
 )
+from titan_recur.models.args import PRESETS
+from titan_recur.models.model import RecurrentLM
+from titan_recur.storage.model_io import WEIGHTS_NAME, load_model, load_state_dict_into, read_model_args
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets"
@@ -130,28 +130,80 @@ def test_bad_layer_lists(text):
 # Fields of the real source configs (as the hub serves them, transformers 4 style).
 REAL_CONFIGS = {
     "tinyllama-1.1b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", hidden_size=2048,
-        intermediate_size=5632, max_position_embeddings=2048, num_attention_heads=32, num_hidden_layers=22,
-        num_key_value_heads=4, rms_norm_eps=1e-5, rope_scaling=None, tie_word_embeddings=False, vocab_size=32000,
-        bos_token_id=1, eos_token_id=2,
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_act="silu",
+        hidden_size=2048,
+        intermediate_size=5632,
+        max_position_embeddings=2048,
+        num_attention_heads=32,
+        num_hidden_layers=22,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-5,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        vocab_size=32000,
+        bos_token_id=1,
+        eos_token_id=2,
     ),
     "llama3.2-1b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", hidden_size=2048, head_dim=64,
-        intermediate_size=8192, max_position_embeddings=131072, num_attention_heads=32, num_hidden_layers=16,
-        num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True, vocab_size=128256,
-        rope_scaling=dict(factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0,
-                          original_max_position_embeddings=8192, rope_type="llama3"),
-        bos_token_id=128000, eos_token_id=128001,
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_act="silu",
+        hidden_size=2048,
+        head_dim=64,
+        intermediate_size=8192,
+        max_position_embeddings=131072,
+        num_attention_heads=32,
+        num_hidden_layers=16,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        vocab_size=128256,
+        rope_scaling=dict(
+            factor=32.0,
+            high_freq_factor=4.0,
+            low_freq_factor=1.0,
+            original_max_position_embeddings=8192,
+            rope_type="llama3",
+        ),
+        bos_token_id=128000,
+        eos_token_id=128001,
     ),
     "olmo2-1b": dict(
-        architectures=["Olmo2ForCausalLM"], model_type="olmo2", hidden_act="silu", hidden_size=2048,
-        intermediate_size=8192, max_position_embeddings=4096, num_attention_heads=16, num_hidden_layers=16,
-        num_key_value_heads=16, rms_norm_eps=1e-6, rope_scaling=None, rope_theta=500000, tie_word_embeddings=False,
+        architectures=["Olmo2ForCausalLM"],
+        model_type="olmo2",
+        hidden_act="silu",
+        hidden_size=2048,
+        intermediate_size=8192,
+        max_position_embeddings=4096,
+        num_attention_heads=16,
+        num_hidden_layers=16,
+        num_key_value_heads=16,
+        rms_norm_eps=1e-6,
+        rope_scaling=None,
+        rope_theta=500000,
+        tie_word_embeddings=False,
         vocab_size=100352,
     ),
 }
-SHAPE_FIELDS = ("vocab_size", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "block_type", "norm_eps",
-                "rope_theta", "rope_scaling", "max_seq_len", "n_prelude", "n_core", "n_coda")
+SHAPE_FIELDS = (
+    "vocab_size",
+    "dim",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "ffn_dim",
+    "block_type",
+    "norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "max_seq_len",
+    "n_prelude",
+    "n_core",
+    "n_coda",
+)
 
 
 @pytest.mark.parametrize("preset_name", sorted(REAL_CONFIGS))
@@ -168,12 +220,14 @@ def test_transformers5_config_fields():
     config = dict(REAL_CONFIGS["llama3.2-1b"], eos_token_id=[128001, 128008, 128009])
     scaling = config.pop("rope_scaling")
     config["rope_parameters"] = dict(scaling, rope_theta=config.pop("rope_theta"))
-    args = hf_config_to_model_args(SourceModel(Path("."), config, "LlamaForCausalLM"), plan_layers(16, (4, 6, 4)),
-                                   ConvertOptions())
+    args = hf_config_to_model_args(
+        SourceModel(Path("."), config, "LlamaForCausalLM"), plan_layers(16, (4, 6, 4)), ConvertOptions()
+    )
     assert (args.rope_theta, args.rope_scaling, args.eos_id) == (500000.0, scaling, 128001)
     config["rope_parameters"] = dict(rope_type="default", rope_theta=1000.0)
-    args = hf_config_to_model_args(SourceModel(Path("."), config, "LlamaForCausalLM"), plan_layers(16, (4, 6, 4)),
-                                   ConvertOptions())
+    args = hf_config_to_model_args(
+        SourceModel(Path("."), config, "LlamaForCausalLM"), plan_layers(16, (4, 6, 4)), ConvertOptions()
+    )
     assert (args.rope_theta, args.rope_scaling) == (1000.0, None)
 
 
@@ -290,8 +344,14 @@ def test_output_folder_contents_and_summary(tiny_hf_checkpoint, tmp_path):
     source = tiny_hf_checkpoint("llama")
     args = convert(source, tmp_path / "out", plan_layers(6, (1, 3, 1)), EXACT)
     files = {p.name for p in (tmp_path / "out").iterdir()}
-    assert {"config.json", WEIGHTS_NAME, "conversion.json", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json"} <= files
+    assert {
+        "config.json",
+        WEIGHTS_NAME,
+        "conversion.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= files
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
     assert read_model_args(tmp_path / "out") == args
     assert args.source_layers == {"prelude": [0], "core": [2, 3, 4], "coda": [5], "dropped": [1]}
@@ -368,8 +428,12 @@ def test_bad_sources(tiny_hf_checkpoint, tmp_path, breakage, message):
 
 def test_tying_an_untied_source_is_an_error(tiny_hf_checkpoint, tmp_path):
     with pytest.raises(ConversionError, match="LM head is not its embedding"):
-        convert(tiny_hf_checkpoint("llama"), tmp_path / "out", plan_layers(6, (2, 2, 2)),
-                ConvertOptions(tie_embeddings=True))
+        convert(
+            tiny_hf_checkpoint("llama"),
+            tmp_path / "out",
+            plan_layers(6, (2, 2, 2)),
+            ConvertOptions(tie_embeddings=True),
+        )
     assert not (tmp_path / "out").exists()
 
 

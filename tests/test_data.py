@@ -15,11 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torchrun_util import REPO_ROOT, WORKERS_DIR, run_torchrun
 
 from titan_recur.config import Data, DataPhase, DataSource
 from titan_recur.data.loader import build_dataloader, check_data_config
 from titan_recur.data.tokenizer import check_vocab, load_tokenizer
-from torchrun_util import REPO_ROOT, WORKERS_DIR, run_torchrun
 
 SEQ_LEN = 8
 WORDS = "the a cat dog sat on mat two plus equals four sum of".split()
@@ -70,11 +70,27 @@ def tok(tok_folder):
     return load_tokenizer(tok_folder)
 
 
-def loader(cfg: Data, tok, *, batch: int = 2, rows_per_step: int = 2, rank: int = 0, world: int = 1, split="train",
-           seq_len: int = SEQ_LEN):
+def loader(
+    cfg: Data,
+    tok,
+    *,
+    batch: int = 2,
+    rows_per_step: int = 2,
+    rank: int = 0,
+    world: int = 1,
+    split="train",
+    seq_len: int = SEQ_LEN,
+):
     return build_dataloader(
-        cfg, tok, seq_len=seq_len, local_batch_size=batch, rows_per_step=rows_per_step,
-        dp_rank=rank, dp_world=world, seed=0, split=split,
+        cfg,
+        tok,
+        seq_len=seq_len,
+        local_batch_size=batch,
+        rows_per_step=rows_per_step,
+        dp_rank=rank,
+        dp_world=world,
+        seed=0,
+        split=split,
     )
 
 
@@ -150,8 +166,9 @@ def test_pretokenized_rows_pass_through(tmp_path, tok):
 
 def test_workers_read_disjoint_documents(tmp_path, tok):
     n = 200
-    cfg = Data(sources=[DataSource(path=write_jsonl(tmp_path / "a.jsonl", make_docs("doc", n)), kind="jsonl")],
-               num_workers=2)
+    cfg = Data(
+        sources=[DataSource(path=write_jsonl(tmp_path / "a.jsonl", make_docs("doc", n)), kind="jsonl")], num_workers=2
+    )
     batches = take(loader(cfg, tok), 40)  # workers yield whole batches in turn; < half an epoch each
     per_worker = [doc_ids(tok, full_rows(batches[w::2]), "doc") for w in range(2)]
     assert per_worker[0] and per_worker[1] and per_worker[0].isdisjoint(per_worker[1])
@@ -160,8 +177,12 @@ def test_workers_read_disjoint_documents(tmp_path, tok):
 def test_mixture_weights_hold(tmp_path, tok):
     web = write_jsonl(tmp_path / "web.jsonl", make_docs("doc", 300))
     math = write_jsonl(tmp_path / "math.jsonl", make_docs("MATH", 300, seed=1))
-    cfg = Data(sources=[DataSource(name="web", path=web, kind="jsonl", weight=3.0),
-                        DataSource(name="math", path=math, kind="jsonl", weight=1.0)])
+    cfg = Data(
+        sources=[
+            DataSource(name="web", path=web, kind="jsonl", weight=3.0),
+            DataSource(name="math", path=math, kind="jsonl", weight=1.0),
+        ]
+    )
     rows = full_rows(take(loader(cfg, tok, batch=50, rows_per_step=50), 200))
     assert rows.shape[0] == 10_000
     math_share = sum(is_math(tok, r) for r in rows.tolist()) / len(rows)
@@ -184,15 +205,17 @@ def test_phases_switch_at_their_start_step(tmp_path, tok):
 
 def test_validation_holds_out_disjoint_documents(tmp_path, tok):
     n = 200
-    cfg = Data(sources=[DataSource(path=write_jsonl(tmp_path / "a.jsonl", make_docs("doc", n)), kind="jsonl")],
-               validation_fraction=0.2)
+    cfg = Data(
+        sources=[DataSource(path=write_jsonl(tmp_path / "a.jsonl", make_docs("doc", n)), kind="jsonl")],
+        validation_fraction=0.2,
+    )
     train = doc_ids(tok, full_rows(take(loader(cfg, tok), 300)), "doc")
     val = doc_ids(tok, full_rows(take(loader(cfg, tok, split="validation"), 100)), "doc")
     assert train.isdisjoint(val) and train | val == set(range(n))
     assert 0.1 < len(val) / n < 0.3
     first = [b["input_ids"] for b in take(loader(cfg, tok, split="validation"), 3)]
     again = [b["input_ids"] for b in take(loader(cfg, tok, split="validation"), 3)]
-    assert all(torch.equal(a, b) for a, b in zip(first, again))  # a fresh loader gives the same batches
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=False))  # a fresh loader gives the same batches
     message = one_line_error(ValueError, loader, Data(sources=cfg.sources), tok, split="validation")
     assert "validation_fraction" in message
 
@@ -200,8 +223,9 @@ def test_validation_holds_out_disjoint_documents(tmp_path, tok):
 def resume_config(tmp_path, num_workers: int) -> Data:
     web = DataSource(name="web", path=write_jsonl(tmp_path / "web.jsonl", make_docs("doc", 60)), kind="jsonl")
     math = DataSource(name="math", path=write_jsonl(tmp_path / "math.jsonl", make_docs("MATH", 40)), kind="jsonl")
-    return Data(phases=[DataPhase(0, [web]), DataPhase(20, [web, math])], num_workers=num_workers,
-                validation_fraction=0.1)
+    return Data(
+        phases=[DataPhase(0, [web]), DataPhase(20, [web, math])], num_workers=num_workers, validation_fraction=0.1
+    )
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -269,10 +293,28 @@ def test_prepare_data_matches_the_packed_stream(tmp_path, tok, tok_folder):
     docs = make_docs("doc", 120)
     source = write_jsonl(tmp_path / "a.jsonl", docs)
     out = tmp_path / "pre"
-    prepare_data.prepare(prepare_data.parse_args([
-        "--tokenizer", str(tok_folder), "--path", source, "--kind", "jsonl", "--seq-len", str(SEQ_LEN),
-        "--out", str(out), "--workers", "2", "--rows-per-shard", "50", "--docs-per-task", "16",
-    ]))
+    prepare_data.prepare(
+        prepare_data.parse_args(
+            [
+                "--tokenizer",
+                str(tok_folder),
+                "--path",
+                source,
+                "--kind",
+                "jsonl",
+                "--seq-len",
+                str(SEQ_LEN),
+                "--out",
+                str(out),
+                "--workers",
+                "2",
+                "--rows-per-shard",
+                "50",
+                "--docs-per-task",
+                "16",
+            ]
+        )
+    )
     shards = sorted(out.glob("*.parquet"))
     assert len(shards) > 1
     rows = [r for s in shards for r in pq.read_table(s)["input_ids"].to_pylist()]
@@ -289,10 +331,28 @@ def test_token_stream_v2_gives_the_on_the_fly_rows_at_any_seq_len(tmp_path, tok,
     docs = make_docs("doc", 120)
     source = write_jsonl(tmp_path / "a.jsonl", docs)
     out = tmp_path / "stream"
-    prepare_data.prepare(prepare_data.parse_args([
-        "--tokenizer", str(tok_folder), "--path", source, "--kind", "jsonl", "--out", str(out),
-        "--workers", "2", "--chunk-tokens", "37", "--rows-per-shard", "10", "--docs-per-task", "16",
-    ]))
+    prepare_data.prepare(
+        prepare_data.parse_args(
+            [
+                "--tokenizer",
+                str(tok_folder),
+                "--path",
+                source,
+                "--kind",
+                "jsonl",
+                "--out",
+                str(out),
+                "--workers",
+                "2",
+                "--chunk-tokens",
+                "37",
+                "--rows-per-shard",
+                "10",
+                "--docs-per-task",
+                "16",
+            ]
+        )
+    )
     meta = json.loads((out / "metadata.json").read_text())
     assert meta["tokens"] == len(packed_stream(tok, docs)) and meta["document_count"] == len(docs)
     assert meta["vocab_size"] == tok.vocab_size and len(sorted(out.glob("*.parquet"))) > 1
@@ -308,12 +368,27 @@ def test_token_stream_v2_gives_the_on_the_fly_rows_at_any_seq_len(tmp_path, tok,
 def test_token_stream_of_another_tokenizer_is_one_line_at_start_up(tmp_path, tok_folder, capsys):
     source = write_jsonl(tmp_path / "a.jsonl", make_docs("doc", 20))
     out = tmp_path / "stream"
-    prepare_data.prepare(prepare_data.parse_args([
-        "--tokenizer", str(tok_folder), "--path", source, "--kind", "jsonl", "--out", str(out), "--workers", "1",
-    ]))
+    prepare_data.prepare(
+        prepare_data.parse_args(
+            [
+                "--tokenizer",
+                str(tok_folder),
+                "--path",
+                source,
+                "--kind",
+                "jsonl",
+                "--out",
+                str(out),
+                "--workers",
+                "1",
+            ]
+        )
+    )
     config = tmp_path / "run.toml"  # the bundled model's tokenizer is not the one the stream was made with
-    config.write_text(f'[model]\npath = "{REPO_ROOT / "assets" / "tiny_llama_recurrent"}"\n[training]\nsteps = 1\n'
-                      f'[[data.sources]]\npath = "{out / "*.parquet"}"\nkind = "tokenized"\n')
+    config.write_text(
+        f'[model]\npath = "{REPO_ROOT / "assets" / "tiny_llama_recurrent"}"\n[training]\nsteps = 1\n'
+        f'[[data.sources]]\npath = "{out / "*.parquet"}"\nkind = "tokenized"\n'
+    )
     from titan_recur.training.trainer import main
 
     capsys.readouterr()

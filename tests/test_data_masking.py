@@ -18,8 +18,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from titan_recur.config import ConfigError, Data, DataSource, load_config
 from titan_recur.data.loader import DataError, build_dataloader, check_data_config
-from titan_recur.models.loss import IGNORE_INDEX
 from titan_recur.data.tokenizer import load_tokenizer
+from titan_recur.models.loss import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "assets" / "tokenizer"
@@ -46,8 +46,16 @@ def expected_stream(records: list[tuple[str, str]]) -> tuple[list[int], list[int
 
 
 def masked_loader(data: Data, batch: int = 2, seq_len: int = SEQ_LEN):
-    return build_dataloader(data, load_tokenizer(TOKENIZER), seq_len=seq_len, local_batch_size=batch,
-                            rows_per_step=batch, dp_rank=0, dp_world=1, seed=0)
+    return build_dataloader(
+        data,
+        load_tokenizer(TOKENIZER),
+        seq_len=seq_len,
+        local_batch_size=batch,
+        rows_per_step=batch,
+        dp_rank=0,
+        dp_world=1,
+        seed=0,
+    )
 
 
 def records_source(path: str, **kwargs) -> DataSource:
@@ -78,23 +86,39 @@ def test_a_text_source_keeps_the_loss_on_every_token(tmp_path):
 def tiny_config(tmp_path: Path, data_path: str, steps: int, **overrides: str) -> list[str]:
     """A from-scratch static model on prompt-completion records: the trainer's command line."""
     args = {
-        "job.dump_folder": str(tmp_path / "run"), "model.init": "random", "model.dim": "32", "model.n_layers": "2",
-        "model.n_heads": "2", "model.ffn_dim": "64", "model.vocab_size": "512", "training.steps": str(steps),
-        "training.local_batch_size": "2", "training.seq_len": str(SEQ_LEN), "training.ac_mode": "none",
-        "recurrence.mean_recurrence": "1", "recurrence.curriculum": "none", "optimizer.name": "adamw",
-        "data.tokenizer": str(TOKENIZER), "data.sources.0.path": data_path, "data.sources.0.kind": "jsonl",
-        "data.sources.0.format": "prompt_completion", "metrics.log_freq": "1", "metrics.enable_tensorboard": "false",
-        "checkpoint.interval": "2", "checkpoint.keep_latest_k": "0", **overrides,
+        "job.dump_folder": str(tmp_path / "run"),
+        "model.init": "random",
+        "model.dim": "32",
+        "model.n_layers": "2",
+        "model.n_heads": "2",
+        "model.ffn_dim": "64",
+        "model.vocab_size": "512",
+        "training.steps": str(steps),
+        "training.local_batch_size": "2",
+        "training.seq_len": str(SEQ_LEN),
+        "training.ac_mode": "none",
+        "recurrence.mean_recurrence": "1",
+        "recurrence.curriculum": "none",
+        "optimizer.name": "adamw",
+        "data.tokenizer": str(TOKENIZER),
+        "data.sources.0.path": data_path,
+        "data.sources.0.kind": "jsonl",
+        "data.sources.0.format": "prompt_completion",
+        "metrics.log_freq": "1",
+        "metrics.enable_tensorboard": "false",
+        "checkpoint.interval": "2",
+        "checkpoint.keep_latest_k": "0",
+        **overrides,
     }
     return [token for key, value in args.items() for token in (f"--{key}", value)]
 
 
 def test_masked_loss_equals_a_hand_computation(tmp_path):
     """The loss the trainer logs at step 1 (initial weights) is the mean CE over the completion tokens and EOS."""
+    from titan_recur.models.model import RecurrentLM
     from titan_recur.storage.model_io import architecture_args
     from titan_recur.training.build import initial_full_state
     from titan_recur.training.trainer import main
-    from titan_recur.models.model import RecurrentLM
 
     path = write_records(tmp_path / "qa.jsonl", RECORDS, 6)
     argv = tiny_config(tmp_path, path, steps=1)
@@ -150,12 +174,32 @@ def test_trainer_resume_on_masked_data_is_bit_identical(tmp_path):
 def test_pretokenized_labels_give_the_records_rows(tmp_path, seq_len_flag):
     path = write_records(tmp_path / "qa.jsonl", RECORDS, 10)
     out = tmp_path / "tok"
-    subprocess.run([sys.executable, str(REPO / "tools" / "prepare_data.py"), "--tokenizer", str(TOKENIZER),
-                    "--path", path, "--kind", "jsonl", "--format", "prompt_completion", "--out", str(out),
-                    "--workers", "1", *seq_len_flag], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "prepare_data.py"),
+            "--tokenizer",
+            str(TOKENIZER),
+            "--path",
+            path,
+            "--kind",
+            "jsonl",
+            "--format",
+            "prompt_completion",
+            "--out",
+            str(out),
+            "--workers",
+            "1",
+            *seq_len_flag,
+        ],
+        check=True,
+        capture_output=True,
+    )
     tokenized = Data(sources=[DataSource(path=str(out / "*.parquet"), kind="tokenized")])
     records = Data(sources=[records_source(path)])
-    for got, want in zip(islice(iter(masked_loader(tokenized)), 5), islice(iter(masked_loader(records)), 5), strict=True):
+    for got, want in zip(
+        islice(iter(masked_loader(tokenized)), 5), islice(iter(masked_loader(records)), 5), strict=True
+    ):
         assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["labels"], want["labels"])
 
 
@@ -164,8 +208,9 @@ def test_pretokenized_labels_outside_the_vocabulary_are_one_line(tmp_path):
     import pyarrow.parquet as pq
 
     row = list(range(3, 3 + SEQ_LEN + 1))
-    pq.write_table(pa.table({"input_ids": [row], "labels": [[IGNORE_INDEX] * SEQ_LEN + [9999]]}),
-                   tmp_path / "rows.parquet")
+    pq.write_table(
+        pa.table({"input_ids": [row], "labels": [[IGNORE_INDEX] * SEQ_LEN + [9999]]}), tmp_path / "rows.parquet"
+    )
     data = Data(sources=[DataSource(name="rows", path=str(tmp_path / "rows.parquet"), kind="tokenized")])
     with pytest.raises(DataError, match=r"label 9999 outside the tokenizer's vocabulary") as err:
         next(iter(masked_loader(data, batch=1)))
@@ -194,5 +239,16 @@ def test_records_without_their_fields_are_one_line(tmp_path, capsys):
 
 def test_records_need_a_format_with_fields():
     with pytest.raises(ConfigError, match="format 'prompt_completion' needs records with fields"):
-        load_config(None, ["--model.path", "x", "--data.sources.0.path", "a.txt", "--data.sources.0.kind", "text",
-                           "--data.sources.0.format", "prompt_completion"])
+        load_config(
+            None,
+            [
+                "--model.path",
+                "x",
+                "--data.sources.0.path",
+                "a.txt",
+                "--data.sources.0.kind",
+                "text",
+                "--data.sources.0.format",
+                "prompt_completion",
+            ],
+        )

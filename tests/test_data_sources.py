@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import pytest
 import datasets
+import pytest
 import torch
 from test_data import SEQ_LEN, full_rows, make_docs, resume_config, take, tok, tok_folder, write_jsonl  # noqa: F401
 
@@ -18,8 +18,17 @@ DOCS, WINDOW = 40, 8
 
 
 def read_once(cfg: Data, tok, seed: int, rows_per_step: int = 2):
-    return build_dataloader(cfg, tok, seq_len=SEQ_LEN, local_batch_size=2, rows_per_step=rows_per_step,
-                            dp_rank=0, dp_world=1, seed=seed, single_pass=True)
+    return build_dataloader(
+        cfg,
+        tok,
+        seq_len=SEQ_LEN,
+        local_batch_size=2,
+        rows_per_step=rows_per_step,
+        dp_rank=0,
+        dp_world=1,
+        seed=seed,
+        single_pass=True,
+    )
 
 
 def doc_order(tok, cfg: Data, seed: int) -> list[int]:
@@ -44,12 +53,15 @@ def test_shuffle_permutes_each_window_by_the_seed(tmp_path, tok):
 
 def test_resume_mid_window_is_exact_with_shuffling(tmp_path, tok):
     cfg = resume_config(tmp_path, 0)
-    cfg.phases = [dataclasses.replace(p, sources=[dataclasses.replace(s, shuffle_buffer=7) for s in p.sources])
-                  for p in cfg.phases]
+    cfg.phases = [
+        dataclasses.replace(p, sources=[dataclasses.replace(s, shuffle_buffer=7) for s in p.sources])
+        for p in cfg.phases
+    ]
 
     def train_loader():
-        return build_dataloader(cfg, tok, seq_len=SEQ_LEN, local_batch_size=2, rows_per_step=4,
-                                dp_rank=0, dp_world=1, seed=0)
+        return build_dataloader(
+            cfg, tok, seq_len=SEQ_LEN, local_batch_size=2, rows_per_step=4, dp_rank=0, dp_world=1, seed=0
+        )
 
     reference = full_rows(take(train_loader(), 120))  # crosses epochs, windows and the phase switch
     dl = train_loader()
@@ -81,16 +93,23 @@ def test_hub_data_files_read_only_those_files(tmp_path, tok):
 def test_hub_revision_reaches_the_hub_reader(monkeypatch):
     """The revision is datasets' own argument (a hub download cannot run in the tests)."""
     calls = []
-    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: calls.append((args, kwargs)) or
-                        datasets.IterableDataset.from_generator(lambda: iter([{"text": "x"}])))
+    monkeypatch.setattr(
+        datasets,
+        "load_dataset",
+        lambda *args, **kwargs: (
+            calls.append((args, kwargs)) or datasets.IterableDataset.from_generator(lambda: iter([{"text": "x"}]))
+        ),
+    )
     open_source(DataSource(path="org/set", kind="hf", hf_config="c", revision="v1.0", data_files=["a/*.parquet"]))
-    assert calls == [(("org/set",), dict(name="c", split="train", streaming=True, revision="v1.0",
-                                          data_files=["a/*.parquet"]))]
+    assert calls == [
+        (("org/set",), dict(name="c", split="train", streaming=True, revision="v1.0", data_files=["a/*.parquet"]))
+    ]
 
 
 def test_local_sources_refuse_hub_options():
-    cfg = config_from_dict({"model": {"path": "m"}, "data": {"sources": [{"path": "a.jsonl", "kind": "jsonl",
-                                                                           "revision": "v1"}]}})
+    cfg = config_from_dict(
+        {"model": {"path": "m"}, "data": {"sources": [{"path": "a.jsonl", "kind": "jsonl", "revision": "v1"}]}}
+    )
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert "revision and data_files are for kind = 'hf'" in str(err.value)

@@ -15,23 +15,28 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from titan_recur import config
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))]
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-MODULES = {"titan_recur.train": "titan_recur.training.trainer", "titan_recur.generate": "titan_recur.cli.generate",
-           "titan_recur.eval": "titan_recur.eval.__main__"}
+MODULES = {
+    "titan_recur.train": "titan_recur.training.trainer",
+    "titan_recur.generate": "titan_recur.cli.generate",
+    "titan_recur.eval": "titan_recur.eval.__main__",
+}
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 # The start of a command this project ships (inline spans and unlabelled blocks hold other text too).
-OURS = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:titan-recur-|python3? (?:-m titan_recur|tools/)|\.venv/bin/python |"
-                  r"torchrun |bash (?:tools|slurm|\.ci)/|sbatch )")
+OURS = re.compile(
+    r"^(?:[A-Z_]+=\S+\s+)*(?:titan-recur-|python3? (?:-m titan_recur|tools/)|\.venv/bin/python |"
+    r"torchrun |bash (?:tools|slurm|\.ci)/|sbatch )"
+)
 OPERATORS = {"&&", "||", ";", "|", "&", ">", ">>", "<", "2>&1", "(", ")"}
 REPO_ROOTS = ("train_configs/", "slurm/", "tools/", "assets/", "docs/", "tests/", "titan_recur/", ".ci/")
 
@@ -170,11 +175,21 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def help_texts() -> dict[tuple[str, str, str | None], str]:
     """--help of every program the docs call, from one subprocess (one torch import)."""
-    programs = {(p.kind, p.target, p.subcommand) for c in documented_commands() for argv in simple_commands(c.text)
-                if (p := resolve(argv)) and p.kind != "shell"}
+    programs = {
+        (p.kind, p.target, p.subcommand)
+        for c in documented_commands()
+        for argv in simple_commands(c.text)
+        if (p := resolve(argv)) and p.kind != "shell"
+    }
     wanted = sorted(programs, key=str)
-    done = subprocess.run([sys.executable, "-c", HELP_RUNNER, json.dumps(wanted)], cwd=REPO, capture_output=True,
-                          text=True, check=True, env={**os.environ, "COLUMNS": "200"})
+    done = subprocess.run(
+        [sys.executable, "-c", HELP_RUNNER, json.dumps(wanted)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     return dict(zip(wanted, json.loads(done.stdout.splitlines()[-1]), strict=True))
 
 
@@ -209,8 +224,9 @@ def problems_of(command: Command, help_texts: dict) -> list[str]:
                     except config.ConfigError as err:
                         problems.append(str(err))
                 elif not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", known):
-                    problems.append(f"{program.target}{' ' + program.subcommand if program.subcommand else ''} "
-                                    f"has no flag {flag}")
+                    problems.append(
+                        f"{program.target}{' ' + program.subcommand if program.subcommand else ''} has no flag {flag}"
+                    )
             elif token.startswith(REPO_ROOTS) and not _is_placeholder(token):
                 path = token.split("=", 1)[-1].split(":")[0]
                 if not (REPO / path).exists():
@@ -228,12 +244,15 @@ def test_every_documented_command_names_real_programs_flags_and_files(help_texts
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("text, problem", [
-    ("titan-recur-eval loss --checkpoint run --no-such-flag 3", "has no flag --no-such-flag"),
-    ("python -m titan_recur.train --config train_configs/debug_model.toml --training.step 3", "unknown option"),
-    ("sbatch slurm/no_such_job.sh", "no such script"),
-    ("titan-recur-flops --config train_configs/no_such.toml", "no such file"),
-])
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("titan-recur-eval loss --checkpoint run --no-such-flag 3", "has no flag --no-such-flag"),
+        ("python -m titan_recur.train --config train_configs/debug_model.toml --training.step 3", "unknown option"),
+        ("sbatch slurm/no_such_job.sh", "no such script"),
+        ("titan-recur-flops --config train_configs/no_such.toml", "no such file"),
+    ],
+)
 def test_the_parse_check_catches_a_broken_command(text, problem, help_texts):
     """A wrong flag, config key, script or file in a documented command is reported."""
     extra = {}
@@ -267,15 +286,19 @@ RUN = {
     "titan-recur-eval loss --checkpoint outputs/<run>/final_model --config outputs/<run>/config.json "
     "--recurrences 1,2,4,8,16,32 --out outputs/<run>/eval": {"outputs/<run>": "{run}"},
     "titan-recur-export outputs/<run>/final_model hf_out/": {"outputs/<run>": "{run}", "hf_out/": "{tmp}/hf_out/"},
-    "titan-recur-convert hf/Llama-3.2-1B out/x --shape 2,4,2 --dry-run": {"hf/Llama-3.2-1B": "assets/tiny_llama",
-                                                                          "out/x": "{tmp}/x"},
+    "titan-recur-convert hf/Llama-3.2-1B out/x --shape 2,4,2 --dry-run": {
+        "hf/Llama-3.2-1B": "assets/tiny_llama",
+        "out/x": "{tmp}/x",
+    },
     "titan-recur-flops --preset tinyllama-1.1b --shape 4,8,4 --world-size 64": {},
     "titan-recur-flops --preset tinyllama-1.1b --shape 4,8,4 --world-size 64 --match tinyllama-1.1b:static --table": {},
     "titan-recur-flops --config train_configs/tinyllama.toml --world-size 64 --match "
     "train_configs/tinyllama_static.toml --json": {},
     "python -m titan_recur.eval loss --checkpoint outputs/debug/final_model --data assets/corpus/math.jsonl "
-    "--recurrences 1,2,4,8,16,32 --batches 10 --batch-size 8 --seq-len 1024 --out outputs/eval/loss":
-        {"outputs/debug": "{run}", "outputs/eval/loss": "{tmp}/loss"},
+    "--recurrences 1,2,4,8,16,32 --batches 10 --batch-size 8 --seq-len 1024 --out outputs/eval/loss": {
+        "outputs/debug": "{run}",
+        "outputs/eval/loss": "{tmp}/loss",
+    },
     'python -m titan_recur.generate --checkpoint outputs/debug/final_model --prompt "The sum of 3 and 4 is" '
     "--num-steps 8": {"outputs/debug": "{run}"},
     "python tools/analyze_layers.py assets/tiny_llama --data assets/corpus/general.jsonl --seq-len 128 --tokens 8192 "
@@ -317,7 +340,9 @@ def fenced_commands_by_marking() -> tuple[list[Command], list[Command]]:
 def test_every_fenced_command_runs_here_or_is_marked_cluster_only():
     plain, _ = fenced_commands_by_marking()
     unclassified = [c.where for c in plain if _normalise(c.text) not in RUN and _normalise(c.text) not in RUN_ELSEWHERE]
-    assert not unclassified, ("run these in RUN, or put the block after " + CLUSTER_ONLY + ":\n" + "\n".join(unclassified))
+    assert not unclassified, (
+        "run these in RUN, or put the block after " + CLUSTER_ONLY + ":\n" + "\n".join(unclassified)
+    )
 
 
 def test_the_run_list_is_what_the_docs_say():
@@ -330,9 +355,26 @@ def test_the_run_list_is_what_the_docs_say():
 def tiny_run(tmp_path_factory) -> Path:
     """A finished debug run (4 steps): the `outputs/<run>` and `outputs/debug` the docs evaluate."""
     run = tmp_path_factory.mktemp("docs_run") / "run"
-    subprocess.run([sys.executable, "-m", "titan_recur.train", "--config", "train_configs/debug_model.toml",
-                    "--job.dump_folder", str(run), "--training.steps", "4", "--validation.interval", "2",
-                    "--checkpoint.interval", "4"], cwd=REPO, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "titan_recur.train",
+            "--config",
+            "train_configs/debug_model.toml",
+            "--job.dump_folder",
+            str(run),
+            "--training.steps",
+            "4",
+            "--validation.interval",
+            "2",
+            "--checkpoint.interval",
+            "4",
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
     return run
 
 
@@ -342,10 +384,19 @@ def test_documented_command_runs(command, tiny_run, tmp_path):
     text = command
     for placeholder, value in RUN[command].items():
         text = text.replace(placeholder, value.format(run=tiny_run, tmp=tmp_path))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "TITAN_RECUR_SETUP": "skip", "DEMO_OUT": str(tmp_path / "demo")}
-    done = subprocess.run(["bash", "-c", text.replace("python ", f"{sys.executable} ", 1) if text.startswith("python ")
-                           else text], cwd=REPO, env=env, capture_output=True, text=True)
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "TITAN_RECUR_SETUP": "skip",
+        "DEMO_OUT": str(tmp_path / "demo"),
+    }
+    done = subprocess.run(
+        ["bash", "-c", text.replace("python ", f"{sys.executable} ", 1) if text.startswith("python ") else text],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, f"{text}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 

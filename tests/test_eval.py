@@ -13,11 +13,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan_recur import load_model
-from titan_recur.storage.checkpoint import ModelState
+from titan_recur.convert.surgery import ConvertOptions, convert, plan_layers
 from titan_recur.eval import mean_losses, validation_loss_sums
 from titan_recur.eval.__main__ import main as eval_main
 from titan_recur.models.loss import cross_entropy_loss
-from titan_recur.convert.surgery import ConvertOptions, convert, plan_layers
+from titan_recur.storage.checkpoint import ModelState
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_MODEL = REPO / "assets" / "tiny_llama_recurrent"
@@ -118,8 +118,10 @@ def test_loss_cli_reads_dcp_step_and_train_config_validation_split(model_dir: Pa
         '[[data.sources]]\npath = "assets/corpus/math.jsonl"\nkind = "jsonl"\n'
     )
     reports = {}
-    for name, source in {"folder": ["--checkpoint", str(model_dir)],
-                         "dcp": ["--checkpoint", str(step), "--model-config", str(model_dir)]}.items():
+    for name, source in {
+        "folder": ["--checkpoint", str(model_dir)],
+        "dcp": ["--checkpoint", str(step), "--model-config", str(model_dir)],
+    }.items():
         argv = [*source, "--config", str(config), "--recurrences", "1,3", "--out", str(tmp_path / name)]
         assert run_loss_cli(*argv) == 0
         reports[name] = json.loads((tmp_path / name / "validation_loss.json").read_text())
@@ -172,8 +174,11 @@ def test_lm_eval_batch_size_8_equals_batch_size_1(model_dir: Path, task_manager)
     samples = {}
     for batch_size in (1, 8):
         result = simple_evaluate(
-            model="titan_recur", model_args=f"pretrained={model_dir},num_steps=3,batch_size={batch_size}",
-            tasks=TINY_TASKS, task_manager=task_manager, log_samples=True,
+            model="titan_recur",
+            model_args=f"pretrained={model_dir},num_steps=3,batch_size={batch_size}",
+            tasks=TINY_TASKS,
+            task_manager=task_manager,
+            log_samples=True,
         )
         samples[batch_size] = {task: [s["resps"] for s in result["samples"][task]] for task in TINY_TASKS}
     one, eight = samples[1], samples[8]
@@ -181,7 +186,7 @@ def test_lm_eval_batch_size_8_equals_batch_size_1(model_dir: Path, task_manager)
         flat1 = [r for doc in one[task] for req in doc for r in req]
         flat8 = [r for doc in eight[task] for req in doc for r in req]
         assert len(flat1) == len(flat8) >= 10
-        for a, b in zip(flat1, flat8):
+        for a, b in zip(flat1, flat8, strict=False):
             a, b = (a, b) if isinstance(a, tuple) else ((a, None), (b, None))
             assert a[0] == pytest.approx(b[0], rel=1e-5, abs=1e-4) and a[1] == b[1], task
     generations = [doc[0][0] for doc in one["titan_recur_tiny_gen"]]
@@ -222,8 +227,10 @@ def test_harness_sweep_one_load_table_per_r(model_dir: Path, task_manager, tmp_p
     results = harness_sweep(lm, ["titan_recur_tiny_choice"], [1, 3], task_manager, limit=8)
     rows = results_table(results)
     expected = {str(r): choice_accuracy(model_dir, r, limit=8) for r in (1, 3)}
-    assert rows == [{"task": "titan_recur_tiny_choice", "metric": "acc,none", **expected},
-                    {"task": "titan_recur_tiny_choice", "metric": "mean_iterations", "1": 1.0, "3": 3.0}]
+    assert rows == [
+        {"task": "titan_recur_tiny_choice", "metric": "acc,none", **expected},
+        {"task": "titan_recur_tiny_choice", "metric": "mean_iterations", "1": 1.0, "3": 3.0},
+    ]
     table_json, table_md = write_results(results, tmp_path)
     assert json.loads(table_json.read_text()) == rows
     assert "| titan_recur_tiny_choice | acc,none |" in table_md.read_text()
@@ -243,9 +250,22 @@ def test_harness_cli_writes_table(model_dir: Path, tmp_path: Path, monkeypatch: 
     import matplotlib.image
 
     index_without_lm_eval_tasks(monkeypatch)
-    argv = ["harness", "--model_args", f"pretrained={model_dir},batch_size=8", "--include_path", str(LM_EVAL_TASKS),
-            "--tasks", "titan_recur_tiny_gen", "--recurrences", "2,4", "--limit", "3", "--log_samples",
-            "--out", str(tmp_path)]
+    argv = [
+        "harness",
+        "--model_args",
+        f"pretrained={model_dir},batch_size=8",
+        "--include_path",
+        str(LM_EVAL_TASKS),
+        "--tasks",
+        "titan_recur_tiny_gen",
+        "--recurrences",
+        "2,4",
+        "--limit",
+        "3",
+        "--log_samples",
+        "--out",
+        str(tmp_path),
+    ]
     assert eval_main(argv) == 0
     assert "| titan_recur_tiny_gen | exact_match,flexible-extract |" in (tmp_path / "table.md").read_text()
     assert (tmp_path / "samples_r4.json").is_file()
@@ -263,8 +283,12 @@ def test_unknown_task_is_a_clear_error(task_manager) -> None:
 
 @pytest.mark.parametrize(
     "model_args, message",
-    [("num_steps=0", "recurrences"), ("state_init=random", "state_init"), ("batch_size=auto", "batch_size"),
-     ("nonsense=1", "nonsense")],
+    [
+        ("num_steps=0", "recurrences"),
+        ("state_init=random", "state_init"),
+        ("batch_size=auto", "batch_size"),
+        ("nonsense=1", "nonsense"),
+    ],
 )
 def test_bad_model_args(model_dir: Path, model_args: str, message: str) -> None:
     from lm_eval.utils import simple_parse_args_string
@@ -308,9 +332,22 @@ def test_gsm8k_cot_recur_task_parses_offline(tmp_path: Path) -> None:
 def test_lm_eval_cli_with_registered_model(model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """`python -m titan_recur.eval lm_eval ...` is lm_eval's CLI with `--model titan_recur` available."""
     index_without_lm_eval_tasks(monkeypatch)
-    argv = ["lm_eval", "run", "--model", "titan_recur", "--model_args", f"pretrained={model_dir},num_steps=2",
-            "--tasks", "titan_recur_tiny_choice", "--include_path", str(LM_EVAL_TASKS), "--limit", "2",
-            "--device", "cpu"]
+    argv = [
+        "lm_eval",
+        "run",
+        "--model",
+        "titan_recur",
+        "--model_args",
+        f"pretrained={model_dir},num_steps=2",
+        "--tasks",
+        "titan_recur_tiny_choice",
+        "--include_path",
+        str(LM_EVAL_TASKS),
+        "--limit",
+        "2",
+        "--device",
+        "cpu",
+    ]
     assert eval_main(argv) == 0
     assert "titan_recur_tiny_choice" in capsys.readouterr().out
 
@@ -331,10 +368,23 @@ def test_loss_cli_reads_a_one_document_file_once(tmp_path: Path, caplog: pytest.
     import time
 
     doc = tmp_path / "one.jsonl"
-    doc.write_text(json.dumps({"text": "Question: Dev packs 2 boxes every hour. How many in 3 hours?\nAnswer: 6"}) + "\n")
+    doc.write_text(
+        json.dumps({"text": "Question: Dev packs 2 boxes every hour. How many in 3 hours?\nAnswer: 6"}) + "\n"
+    )
     start = time.process_time()
-    code = eval_main(["loss", "--checkpoint", str(DEBUG_MODEL), "--data", str(doc), "--recurrences", "1,2",
-                      "--out", str(tmp_path / "out")])
+    code = eval_main(
+        [
+            "loss",
+            "--checkpoint",
+            str(DEBUG_MODEL),
+            "--data",
+            str(doc),
+            "--recurrences",
+            "1,2",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     cpu_seconds = time.process_time() - start
     assert code == 0
     report = json.loads((tmp_path / "out" / "validation_loss.json").read_text())
@@ -348,8 +398,23 @@ def test_loss_cli_reads_a_one_document_file_once(tmp_path: Path, caplog: pytest.
 def test_loss_cli_warns_when_the_data_has_fewer_batches(tmp_path: Path, capsys) -> None:
     doc = tmp_path / "one.jsonl"
     doc.write_text(json.dumps({"text": "A short document. " * 4}) + "\n")
-    argv = ["loss", "--checkpoint", str(DEBUG_MODEL), "--data", str(doc), "--recurrences", "1", "--batches", "4",
-            "--batch-size", "2", "--seq-len", "16", "--out", str(tmp_path / "out")]
+    argv = [
+        "loss",
+        "--checkpoint",
+        str(DEBUG_MODEL),
+        "--data",
+        str(doc),
+        "--recurrences",
+        "1",
+        "--batches",
+        "4",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--out",
+        str(tmp_path / "out"),
+    ]
     assert eval_main(argv) == 0
     report = json.loads((tmp_path / "out" / "validation_loss.json").read_text())
     (length,) = encoded_lengths(doc)
@@ -361,8 +426,8 @@ def test_loss_cli_warns_when_the_data_has_fewer_batches(tmp_path: Path, capsys) 
 
 def test_single_pass_over_a_mixture_reads_every_document_once(tmp_path: Path) -> None:
     """Two sources: the batches end when both are exhausted; every token is labelled except row starts."""
-    from titan_recur.eval.sweep import heldout_batches
     from titan_recur.data.tokenizer import load_tokenizer
+    from titan_recur.eval.sweep import heldout_batches
 
     lines = (REPO / "assets" / "corpus" / "math.jsonl").read_text().splitlines()
     paths = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
@@ -373,8 +438,9 @@ def test_single_pass_over_a_mixture_reads_every_document_once(tmp_path: Path) ->
         f'[model]\npath = "{DEBUG_MODEL}"\n[training]\nseq_len = 31\nlocal_batch_size = 3\n'
         + "".join(f'[[data.validation_sources]]\npath = "{p}"\nkind = "jsonl"\n' for p in paths)
     )
-    batches = list(heldout_batches(load_tokenizer(DEBUG_MODEL), seq_len=31, batch_size=3, num_batches=None,
-                                   config=str(config)))
+    batches = list(
+        heldout_batches(load_tokenizer(DEBUG_MODEL), seq_len=31, batch_size=3, num_batches=None, config=str(config))
+    )
     expected = sum(total - math.ceil(total / 32) for total in (sum(encoded_lengths(p)) for p in paths))
     assert sum(int((b["labels"] != -100).sum()) for b in batches) == expected
     assert all(int(b["input_ids"].min()) >= 0 for b in batches)
@@ -389,12 +455,26 @@ def test_heldout_command_writes_the_validation_split(tmp_path: Path, capsys) -> 
     assert eval_main(["heldout", "--config", config, "--documents", "6", "--out", str(out)]) == 0
     docs = [json.loads(line)["text"] for line in out.read_text().splitlines()]
     assert len(docs) == 6 and all(_held_out(d, 0.05) for d in docs)
-    sources = [json.loads(line)["text"] for name in ("general", "math")
-               for line in (REPO / "assets" / "corpus" / f"{name}.jsonl").read_text().splitlines()]
+    sources = [
+        json.loads(line)["text"]
+        for name in ("general", "math")
+        for line in (REPO / "assets" / "corpus" / f"{name}.jsonl").read_text().splitlines()
+    ]
     assert set(docs) <= set(sources)
     assert "wrote 6 documents" in capsys.readouterr().out
-    argv = ["loss", "--checkpoint", str(DEBUG_MODEL), "--data", str(out), "--seq-len", "64", "--recurrences", "1",
-            "--out", str(tmp_path / "eval")]
+    argv = [
+        "loss",
+        "--checkpoint",
+        str(DEBUG_MODEL),
+        "--data",
+        str(out),
+        "--seq-len",
+        "64",
+        "--recurrences",
+        "1",
+        "--out",
+        str(tmp_path / "eval"),
+    ]
     assert eval_main(argv) == 0
     report = json.loads((tmp_path / "eval" / "validation_loss.json").read_text())
     total = sum(encoded_lengths(out))
@@ -432,9 +512,11 @@ def test_validation_sources_are_the_validation_split(tmp_path: Path) -> None:
     from titan_recur.config import ConfigError, load_config
 
     source = REPO / "tests" / "assets_lm_eval" / "tiny.jsonl"
-    text = (f'[model]\npath = "{DEBUG_MODEL}"\n[validation]\nenable = true\n'
-            '[[data.sources]]\npath = "assets/corpus/math.jsonl"\nkind = "jsonl"\n'
-            f'[[data.validation_sources]]\npath = "{source}"\nkind = "jsonl"\ntext_field = "question"\n')
+    text = (
+        f'[model]\npath = "{DEBUG_MODEL}"\n[validation]\nenable = true\n'
+        '[[data.sources]]\npath = "assets/corpus/math.jsonl"\nkind = "jsonl"\n'
+        f'[[data.validation_sources]]\npath = "{source}"\nkind = "jsonl"\ntext_field = "question"\n'
+    )
     config = tmp_path / "train.toml"
     config.write_text(text)
     assert load_config(str(config)).data.validation_sources[0].path == str(source)
@@ -460,8 +542,15 @@ def test_harness_fails_before_the_model_when_task_data_is_unreachable(
         raise AssertionError("the model was loaded before the task data was checked")
 
     monkeypatch.setattr(lm_eval_model, "TitanRecurLM", no_model)
-    argv = ["harness", "--model_args", f"pretrained={DEBUG_MODEL}", "--tasks", "gsm8k_cot_recur",
-            "--out", str(tmp_path / "out")]
+    argv = [
+        "harness",
+        "--model_args",
+        f"pretrained={DEBUG_MODEL}",
+        "--tasks",
+        "gsm8k_cot_recur",
+        "--out",
+        str(tmp_path / "out"),
+    ]
     assert eval_main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
@@ -478,13 +567,37 @@ def test_in_loop_validation_and_eval_loss_agree_on_the_same_rows(tmp_path: Path,
     from titan_recur.training.trainer import main as train_main
 
     dump = tmp_path / "run"
-    assert train_main(["--config", str(REPO / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(dump),
-                       "--training.steps", "2", "--validation.interval", "2", "--checkpoint.enable", "false",
-                       "--metrics.enable_tensorboard", "false"]) == 0
-    in_loop = next(json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()
-                   if "validation.loss_r1" in line)
-    common = ["loss", "--checkpoint", str(dump / "final_model"), "--config", str(dump / "config.json"),
-              "--recurrences", "1,2,4,8"]
+    assert (
+        train_main(
+            [
+                "--config",
+                str(REPO / "train_configs" / "debug_model.toml"),
+                "--job.dump_folder",
+                str(dump),
+                "--training.steps",
+                "2",
+                "--validation.interval",
+                "2",
+                "--checkpoint.enable",
+                "false",
+                "--metrics.enable_tensorboard",
+                "false",
+            ]
+        )
+        == 0
+    )
+    in_loop = next(
+        json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines() if "validation.loss_r1" in line
+    )
+    common = [
+        "loss",
+        "--checkpoint",
+        str(dump / "final_model"),
+        "--config",
+        str(dump / "config.json"),
+        "--recurrences",
+        "1,2,4,8",
+    ]
     assert eval_main([*common, "--out", str(tmp_path / "same")]) == 0
     out = capsys.readouterr().out
     assert "in-loop validation of" in out and "2 batches x 8 rows x 64 tokens on each rank" in out

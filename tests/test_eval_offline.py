@@ -27,8 +27,10 @@ configs:
 
 def gsm8k_like_folder(folder: Path) -> Path:
     """A dataset folder with the layout `hf download openai/gsm8k --repo-type dataset` writes."""
-    rows = {"question": ["What is 2 plus 3?", "What is 4 plus 4?", "What is 1 plus 6?"],
-            "answer": ["2 + 3 = 5\n#### 5", "4 + 4 = 8\n#### 8", "1 + 6 = 7\n#### 7"]}
+    rows = {
+        "question": ["What is 2 plus 3?", "What is 4 plus 4?", "What is 1 plus 6?"],
+        "answer": ["2 + 3 = 5\n#### 5", "4 + 4 = 8\n#### 8", "1 + 6 = 7\n#### 7"],
+    }
     (folder / "main").mkdir(parents=True)
     for split in ("train", "test"):
         datasets.Dataset.from_dict(rows).to_parquet(str(folder / "main" / f"{split}-00000-of-00001.parquet"))
@@ -49,8 +51,28 @@ def test_the_documented_local_folder_recipe_runs_offline(tmp_path: Path) -> None
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty_cache")}
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, "-m", "titan_recur.eval", "harness", "--model_args", f"pretrained={MODEL},max_gen_toks=16",
-         "--include_path", str(tasks), "--tasks", "gsm8k_cot_recur_local", "--recurrences", "1", "--limit", "2",
-         "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "titan_recur.eval",
+            "harness",
+            "--model_args",
+            f"pretrained={MODEL},max_gen_toks=16",
+            "--include_path",
+            str(tasks),
+            "--tasks",
+            "gsm8k_cot_recur_local",
+            "--recurrences",
+            "1",
+            "--limit",
+            "2",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| gsm8k_cot_recur_local |" in (out / "table.md").read_text()

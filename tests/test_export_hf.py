@@ -15,9 +15,9 @@ import torch
 
 from tests.test_train_distributed import make_model_dir
 from titan_recur import ModelArgs, RecurrentLM, greedy_generate, load_model, save_model
+from titan_recur.convert.surgery import ConvertOptions, convert, plan_layers
 from titan_recur.hf.export import ExportError, export_hf, lm_eval_command, standalone_modeling_source
 from titan_recur.models.loss import cross_entropy_loss
-from titan_recur.convert.surgery import ConvertOptions, convert, plan_layers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,9 +84,10 @@ def test_exported_generate_equals_greedy_generate(recurrent_dir: Path, exported:
     ids, mask = left_padded_batch()
     for r in (1, 4):
         expected = greedy_generate(model, ids, 12, attention_mask=mask, num_steps=r, state_init="zero")
-        generated = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, num_steps=r,
-                                eos_token_id=None, pad_token_id=0)
-        assert torch.equal(generated[:, ids.shape[1]:], expected), r
+        generated = hf.generate(
+            ids, attention_mask=mask, max_new_tokens=12, do_sample=False, num_steps=r, eos_token_id=None, pad_token_id=0
+        )
+        assert torch.equal(generated[:, ids.shape[1] :], expected), r
 
 
 BLOCK_TITAN_RECUR = """
@@ -104,18 +105,25 @@ def test_exported_modeling_code_is_self_contained(recurrent_dir: Path, exported:
     source = (exported / "modeling_titan_recur.py").read_text()
     imported = [
         (node.module or "") if isinstance(node, ast.ImportFrom) else alias.name
-        for node in ast.walk(ast.parse(source)) if isinstance(node, (ast.Import, ast.ImportFrom))
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
         for alias in node.names
     ]
     assert not [m for m in imported if m.startswith("titan_recur")]
     assert {"torch", "transformers", "configuration_titan_recur"} <= {m.split(".")[0] for m in imported}
     assert {p.name for p in exported.iterdir()} >= {
-        "config.json", "model.safetensors", "configuration_titan_recur.py", "modeling_titan_recur.py",
-        "tokenizer.json", "tokenizer_config.json",
+        "config.json",
+        "model.safetensors",
+        "configuration_titan_recur.py",
+        "modeling_titan_recur.py",
+        "tokenizer.json",
+        "tokenizer_config.json",
     }
     ids, mask = left_padded_batch()
     torch.save({"ids": ids, "mask": mask}, tmp_path / "inputs.pt")
-    script = BLOCK_TITAN_RECUR + f"""
+    script = (
+        BLOCK_TITAN_RECUR
+        + f"""
 import torch
 from transformers import AutoModelForCausalLM
 inputs = torch.load({str(tmp_path / "inputs.pt")!r})
@@ -124,6 +132,7 @@ with torch.no_grad():
     logits = model(inputs["ids"], attention_mask=inputs["mask"], num_steps=3).logits
 torch.save(logits, {str(tmp_path / "logits.pt")!r})
 """
+    )
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     with torch.no_grad():
@@ -154,8 +163,20 @@ def test_exported_tied_model_loads_tied(tmp_path: Path) -> None:
 
 
 def static_model_dir(folder: Path, **overrides) -> Path:
-    shape = dict(vocab_size=512, dim=32, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=64, n_prelude=2, n_core=0,
-                 n_coda=1, bos_id=1, eos_id=2, pad_id=0)
+    shape = dict(
+        vocab_size=512,
+        dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_dim=64,
+        n_prelude=2,
+        n_core=0,
+        n_coda=1,
+        bos_id=1,
+        eos_id=2,
+        pad_id=0,
+    )
     args = ModelArgs(**{**shape, **overrides})
     torch.manual_seed(0)
     model = RecurrentLM(args)
@@ -169,8 +190,19 @@ def static_model_dir(folder: Path, **overrides) -> Path:
 @pytest.mark.parametrize(
     "overrides, architecture",
     [
-        (dict(rope_theta=50000.0, rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0,
-              high_freq_factor=4.0, original_max_position_embeddings=8)), "LlamaForCausalLM"),
+        (
+            dict(
+                rope_theta=50000.0,
+                rope_scaling=dict(
+                    rope_type="llama3",
+                    factor=4.0,
+                    low_freq_factor=1.0,
+                    high_freq_factor=4.0,
+                    original_max_position_embeddings=8,
+                ),
+            ),
+            "LlamaForCausalLM",
+        ),
         (dict(block_type="olmo2", n_kv_heads=4, head_dim=8, norm_eps=1e-6, tie_embeddings=True), "Olmo2ForCausalLM"),
     ],
 )
@@ -195,15 +227,28 @@ def test_generate_as_lm_eval_hf_backend_calls_it(recurrent_dir: Path, exported: 
 
     hf = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(exported, trust_remote_code=True, padding_side="left")
-    batch = tokenizer(["Question: What is 3 + 4?\nAnswer:", "Question: Mia has 9 apples.\nAnswer:"],
-                      return_tensors="pt", padding=True)
+    batch = tokenizer(
+        ["Question: What is 3 + 4?\nAnswer:", "Question: Mia has 9 apples.\nAnswer:"], return_tensors="pt", padding=True
+    )
     width = batch.input_ids.shape[1]
     stop = stop_sequences_criteria(tokenizer, ["\n"], width, 2)
-    generated = hf.generate(**batch, max_length=width + 16, stopping_criteria=stop, do_sample=False, use_cache=True,
-                            pad_token_id=tokenizer.pad_token_id)[:, width:]
-    expected = greedy_generate(load_model(recurrent_dir), batch.input_ids, generated.shape[1],
-                               attention_mask=batch.attention_mask, num_steps=4, eos_id=tokenizer.eos_token_id)
-    for row, reference in zip(generated.tolist(), expected.tolist()):
+    generated = hf.generate(
+        **batch,
+        max_length=width + 16,
+        stopping_criteria=stop,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=tokenizer.pad_token_id,
+    )[:, width:]
+    expected = greedy_generate(
+        load_model(recurrent_dir),
+        batch.input_ids,
+        generated.shape[1],
+        attention_mask=batch.attention_mask,
+        num_steps=4,
+        eos_id=tokenizer.eos_token_id,
+    )
+    for row, reference in zip(generated.tolist(), expected.tolist(), strict=False):
         n = len(row) - row[::-1].index(next(t for t in row[::-1] if t != tokenizer.pad_token_id))
         assert row[:n] == reference[:n] and n > 0
 
@@ -239,7 +284,7 @@ def test_lm_eval_hf_backend_equals_the_project_harness(recurrent_dir: Path, expo
             flat_hf = [r if isinstance(r, tuple) else (r, None) for doc in hf[task] for req in doc for r in req]
             flat_ours = [r if isinstance(r, tuple) else (r, None) for doc in ours[task] for req in doc for r in req]
             assert len(flat_hf) == len(flat_ours) >= 10
-            for a, b in zip(flat_hf, flat_ours):
+            for a, b in zip(flat_hf, flat_ours, strict=False):
                 assert a[0] == pytest.approx(b[0], rel=1e-5) and a[1] == b[1], (task, batch_size)
     assert samples["hf", 4]["titan_recur_tiny_gen"] == samples["titan_recur", 4]["titan_recur_tiny_gen"]
 

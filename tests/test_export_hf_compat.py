@@ -20,7 +20,9 @@ from titan_recur import greedy_generate, load_model
 REPO = Path(__file__).resolve().parents[1]
 OVERLAY = REPO / ".venv-hf4"
 
-SCRIPT = BLOCK_TITAN_RECUR + """
+SCRIPT = (
+    BLOCK_TITAN_RECUR
+    + """
 import json, sys, torch, transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 export, out = sys.argv[1], sys.argv[2]
@@ -65,11 +67,15 @@ result["sampled_step_trains_the_core"] = all(p.grad is not None for p in model.m
 torch.save({"logits": logits, "greedy": greedy}, out + "/outputs.pt")
 json.dump(result, open(out + "/result.json", "w"))
 """
+)
 
 
 @pytest.mark.parametrize("version", ["4.57", "5"])
 def test_export_runs_on_transformers(
-    exported: Path, model_dir: Path, tmp_path: Path, version: str  # noqa: F811  (fixtures)
+    exported: Path,
+    model_dir: Path,
+    tmp_path: Path,
+    version: str,  # noqa: F811  (fixtures)
 ) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if version == "4.57":
@@ -79,8 +85,13 @@ def test_export_runs_on_transformers(
     ids, mask = left_padded_batch()
     torch.save({"ids": ids, "mask": mask}, tmp_path / "inputs.pt")
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(exported), str(tmp_path)], cwd=tmp_path, env=env,
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", SCRIPT, str(exported), str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "custom code" not in done.stdout + done.stderr  # no trust_remote_code prompt

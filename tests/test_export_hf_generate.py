@@ -38,8 +38,9 @@ def test_sampling_without_temperature_or_top_p(exported: Path, model_dir: Path) 
     text = pipeline("text-generation", model=model, tokenizer=tok)("Question:", do_sample=True, max_new_tokens=4)
     assert text[0]["generated_text"].startswith("Question:")
     ours = model.generate(**enc, do_sample=True, top_k=0, top_p=0.9, max_new_tokens=6, seed=7)[:, width:]
-    options = GenerationOptions(max_new_tokens=6, num_steps=MEAN, temperature=1.0, top_p=0.9, seed=7,
-                                eos_id=tok.eos_token_id, state_init="zero")
+    options = GenerationOptions(
+        max_new_tokens=6, num_steps=MEAN, temperature=1.0, top_p=0.9, seed=7, eos_id=tok.eos_token_id, state_init="zero"
+    )
     expected = engine_generate(load_model(model_dir), enc.input_ids, options, attention_mask=enc.attention_mask)
     assert torch.equal(ours, expected.tokens)
 
@@ -105,8 +106,15 @@ def test_exit_criterion_with_harmless_kwargs_returns_the_depths(exported: Path, 
     model = load(exported).eval()
     ids = batch(shape=(2, 5))
     knobs = dict(num_steps=6, exit_criterion="latent-diff", exit_threshold=0.3)
-    out = model.generate(ids, max_new_tokens=8, eos_token_id=None, return_dict_in_generate=True, output_logits=True,
-                         token_type_ids=torch.zeros_like(ids), **knobs)
+    out = model.generate(
+        ids,
+        max_new_tokens=8,
+        eos_token_id=None,
+        return_dict_in_generate=True,
+        output_logits=True,
+        token_type_ids=torch.zeros_like(ids),
+        **knobs,
+    )
     options = GenerationOptions(max_new_tokens=8, state_init="zero", **knobs)
     expected = engine_generate(load_model(model_dir), ids, options, return_logits=True)
     assert torch.equal(out.sequences[:, 5:], expected.tokens)
@@ -122,13 +130,19 @@ def test_prompt_lookup_decoding_equals_greedy(exported: Path, model_dir: Path) -
     ids = torch.cat([batch(shape=(1, 6))] * 3, dim=1)  # repeated n-grams: lookups find drafts
     expected = greedy_generate(load_model(model_dir), ids, 16, num_steps=MEAN)
     looked_up = model.generate(ids, max_new_tokens=16, prompt_lookup_num_tokens=3, eos_token_id=None)
-    assert torch.equal(looked_up[:, ids.shape[1]:], expected)
+    assert torch.equal(looked_up[:, ids.shape[1] :], expected)
 
 
 def test_generate_with_the_embedding_offloaded_to_disk(exported: Path, tmp_path: Path) -> None:  # noqa: F811
     """accelerate disk offload with embed_tokens on disk: greedy and sampled generate equal the in-memory model's."""
-    device_map = {"model.embed_tokens": "disk", "model.prelude": "cpu", "model.core": "disk", "model.coda": "cpu",
-                  "model.norm": "disk", "model.lm_head": "disk"}
+    device_map = {
+        "model.embed_tokens": "disk",
+        "model.prelude": "cpu",
+        "model.core": "disk",
+        "model.coda": "cpu",
+        "model.norm": "disk",
+        "model.lm_head": "disk",
+    }
     offloaded = load(exported, device_map=device_map, offload_folder=str(tmp_path)).eval()
     assert offloaded.model.embed_tokens.weight.device.type == "meta"
     in_memory = load(exported).eval()

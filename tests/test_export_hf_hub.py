@@ -20,16 +20,20 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def test_export_is_hub_ready_and_pushes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                        capsys: pytest.CaptureFixture) -> None:
+def test_export_is_hub_ready_and_pushes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     import huggingface_hub
     import transformers
     from huggingface_hub import ModelCard
 
     calls: list[tuple[str, dict]] = []
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: calls.append((repo_id, kw)))
-    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder",
-                        lambda self, **kw: calls.append(("upload", kw)) or "https://hub/commit/1")
+    monkeypatch.setattr(
+        huggingface_hub.HfApi,
+        "upload_folder",
+        lambda self, **kw: calls.append(("upload", kw)) or "https://hub/commit/1",
+    )
     out = tmp_path / "hf"
     assert export_cli.main([str(SOURCE), str(out), "--push-to-hub", "someone/tiny-recurrent"]) == 0
     printed = capsys.readouterr().out

@@ -14,6 +14,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
+from titan_recur.models.args import PRESETS, ModelArgs
+from titan_recur.models.loss import cross_entropy_loss
+from titan_recur.models.model import RecurrentLM
+from titan_recur.storage.model_io import write_model_args
 from titan_recur.training.cost_model import (
     TrainingRun,
     block_params,
@@ -24,10 +28,6 @@ from titan_recur.training.cost_model import (
     peak_flops,
     training_flops_per_token,
 )
-from titan_recur.models.args import PRESETS, ModelArgs
-from titan_recur.storage.model_io import write_model_args
-from titan_recur.models.loss import cross_entropy_loss
-from titan_recur.models.model import RecurrentLM
 from titan_recur.training.parallelize import apply_activation_checkpointing
 from titan_recur.training.recurrence import Curriculum, RecurrenceSchedule
 
@@ -55,8 +55,15 @@ def matching_steps(run: TrainingRun, steps: int, other: TrainingRun, convention:
 def tiny_args(**overrides) -> ModelArgs:
     """d 64, GQA 4/2 heads: per token a block is ~74k matmul FLOPs, attention 8k, head 33k."""
     values = dict(
-        vocab_size=256, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
-        n_prelude=1, n_core=2, n_coda=1,
+        vocab_size=256,
+        dim=64,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_dim=128,
+        n_prelude=1,
+        n_core=2,
+        n_coda=1,
     )
     return ModelArgs(**{**values, **overrides})
 
@@ -297,8 +304,19 @@ def test_cli_help(tool, capsys: pytest.CaptureFixture) -> None:
 
 def test_cli_json_paper_flops_and_match() -> None:
     result = run_tool(
-        "--preset", "tinyllama-1.1b", "--shape", "4,8,4", "--max-mean", "4", "--at-step", "20000",
-        "--match", "tinyllama-1.1b:static", "--world-size", "64", "--json",
+        "--preset",
+        "tinyllama-1.1b",
+        "--shape",
+        "4,8,4",
+        "--max-mean",
+        "4",
+        "--at-step",
+        "20000",
+        "--match",
+        "tinyllama-1.1b:static",
+        "--world-size",
+        "64",
+        "--json",
     )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
@@ -368,8 +386,23 @@ def test_cli_model_folders(tool, tmp_path: Path, capsys: pytest.CaptureFixture) 
     for folder, args in ((recurrent, tiny_args()), (static, static_args)):
         folder.mkdir()
         write_model_args(args, folder)
-    tool.main(["--model", str(recurrent), "--steps", "20", "--max-mean", "4", "--seq-len", "32",
-               "--tokens-per-step", str(TOKENS_PER_STEP), "--match", str(static), "--json"])
+    tool.main(
+        [
+            "--model",
+            str(recurrent),
+            "--steps",
+            "20",
+            "--max-mean",
+            "4",
+            "--seq-len",
+            "32",
+            "--tokens-per-step",
+            str(TOKENS_PER_STEP),
+            "--match",
+            str(static),
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     static_step = TOKENS_PER_STEP * training_flops_per_token(static_args, (0, 1), 32).total
     assert out["matched_steps"]["full"] == pytest.approx(out["full_flops"] / static_step, rel=1e-9)
@@ -384,8 +417,18 @@ def test_cli_prints_its_assumptions_from_the_trainer_defaults(tool, capsys: pyte
     assumed = json.loads(capsys.readouterr().out)["assumptions"]
     t, r = Training(), Recurrence()
     assert assumed["tokens_per_step"] == t.local_batch_size * 2 * t.seq_len == 16 * 2 * 1024
-    assert (assumed["steps"], assumed["world_size"], assumed["seq_len"], assumed["ac_mode"]) == (100, 2, 1024, t.ac_mode)
-    assert assumed["curriculum"] == f"{r.curriculum} curriculum of the mean r from 1 to {r.mean_recurrence} over 0.75 of the steps"
+    assert (assumed["steps"], assumed["world_size"], assumed["seq_len"], assumed["ac_mode"]) == (
+        100,
+        2,
+        1024,
+        t.ac_mode,
+    )
+    assert (
+        assumed["curriculum"]
+        == f"{r.curriculum} curriculum of the mean r from 1 to {r.mean_recurrence} over 0.75 of the steps"
+    )
     assert assumed["backprop_depth"] == r.backprop_depth
     tool.main(["--preset", "tinyllama-1.1b", "--steps", "100"])
-    assert "assuming (the trainer's defaults and the flags given): 100 steps of 16,384 tokens" in capsys.readouterr().out
+    assert (
+        "assuming (the trainer's defaults and the flags given): 100 steps of 16,384 tokens" in capsys.readouterr().out
+    )

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from titan_recur.cli.generate import main as generate_main
+from titan_recur.inference.engine import EXIT_CRITERIA, GenerationOptions, generate, left_pad
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.cache import KVCache
-from titan_recur.inference.engine import EXIT_CRITERIA, GenerationOptions, generate, left_pad
-from titan_recur.storage.model_io import save_model
 from titan_recur.models.model import Decoding, RecurrentLM
+from titan_recur.storage.model_io import save_model
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 97
@@ -33,8 +33,19 @@ ATOL = 1e-5
 
 
 def build(seed: int = 3, std: float = 0.1, **overrides) -> RecurrentLM:
-    values = dict(vocab_size=VOCAB, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, n_prelude=1,
-                  n_core=2, n_coda=1, max_seq_len=64, adapter_init="random")
+    values = dict(
+        vocab_size=VOCAB,
+        dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        ffn_dim=48,
+        n_prelude=1,
+        n_core=2,
+        n_coda=1,
+        max_seq_len=64,
+        adapter_init="random",
+    )
     torch.manual_seed(seed)
     model = RecurrentLM(ModelArgs(**{**values, **overrides}))
     model.init_weights(std)
@@ -60,8 +71,13 @@ def test_full_cache_equals_uncached_forward(model: RecurrentLM, r: int) -> None:
     gives the tokens of re-running the whole sequence without a cache at every step."""
     seq = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(9))
     prompt = 4
-    out = generate(model, seq[:, :prompt], GenerationOptions(max_new_tokens=8, num_steps=r),
-                   forced_tokens=seq[:, prompt:], return_logits=True)
+    out = generate(
+        model,
+        seq[:, :prompt],
+        GenerationOptions(max_new_tokens=8, num_steps=r),
+        forced_tokens=seq[:, prompt:],
+        return_logits=True,
+    )
     with torch.no_grad():
         full = model(seq, r, state_init="zero")
     torch.testing.assert_close(out.logits, full[:, prompt - 1 : -1], atol=ATOL, rtol=0)
@@ -107,24 +123,41 @@ class ListCache:
 def test_kv_sharing_equals_list_reference(model: RecurrentLM, kv_sharing: str, slots: int) -> None:
     r = 6
     seq = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(2))
-    out = generate(model, seq[:, :4], GenerationOptions(max_new_tokens=6, num_steps=r, kv_sharing=kv_sharing),
-                   forced_tokens=seq[:, 4:], return_logits=True)
+    out = generate(
+        model,
+        seq[:, :4],
+        GenerationOptions(max_new_tokens=6, num_steps=r, kv_sharing=kv_sharing),
+        forced_tokens=seq[:, 4:],
+        return_logits=True,
+    )
     cache, expected = ListCache(slots), []
     with torch.no_grad():
         for start, end in [(0, 4), *((t, t + 1) for t in range(4, 9))]:
             expected.append(model(seq[:, start:end], r, state_init="zero", decoding=Decoding(cache=cache))[:, -1])
     torch.testing.assert_close(out.logits, torch.stack(expected, dim=1), atol=ATOL, rtol=0)
-    full = generate(model, seq[:, :4], GenerationOptions(max_new_tokens=6, num_steps=r),
-                    forced_tokens=seq[:, 4:], return_logits=True)
+    full = generate(
+        model,
+        seq[:, :4],
+        GenerationOptions(max_new_tokens=6, num_steps=r),
+        forced_tokens=seq[:, 4:],
+        return_logits=True,
+    )
     torch.testing.assert_close(out.logits[:, 0], full.logits[:, 0], atol=ATOL, rtol=0)  # the prompt is exact
     assert not torch.allclose(out.logits[:, 1:], full.logits[:, 1:], atol=1e-3)  # decoding is not
 
 
 def test_every_sharing_mode_is_exact_at_one_iteration_and_compress_r_is_full(model: RecurrentLM) -> None:
     ids, mask = left_pad(prompts(), 0)
+
     def run(r, mode):
-        return generate(model, ids, GenerationOptions(max_new_tokens=6, num_steps=r, kv_sharing=mode),
-                        attention_mask=mask, return_logits=True)
+        return generate(
+            model,
+            ids,
+            GenerationOptions(max_new_tokens=6, num_steps=r, kv_sharing=mode),
+            attention_mask=mask,
+            return_logits=True,
+        )
+
     for mode in ("latest", "compress-2"):
         torch.testing.assert_close(run(1, mode).logits, run(1, "full").logits, atol=0, rtol=0)
     torch.testing.assert_close(run(4, "compress-4").logits, run(4, "full").logits, atol=0, rtol=0)
@@ -182,15 +215,23 @@ def check_values(quantities, criterion: str, r: int, min_steps: int, every: int)
 
 @pytest.mark.parametrize(
     "criterion, min_steps, every",
-    [("kl", 1, 1), ("latent-diff", 1, 1), ("entropy-diff", 2, 1), ("argmax", 1, 1), ("kl", 3, 2), ("latent-diff", 2, 3)],
+    [
+        ("kl", 1, 1),
+        ("latent-diff", 1, 1),
+        ("entropy-diff", 2, 1),
+        ("argmax", 1, 1),
+        ("kl", 3, 2),
+        ("latent-diff", 2, 3),
+    ],
 )
 def test_exit_step_equals_the_criterion_of_full_forwards(criterion: str, min_steps: int, every: int) -> None:
     model = build(seed=7)
     r = 12
     prompt = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
     first = generate(model, prompt, GenerationOptions(max_new_tokens=1, num_steps=r)).tokens
-    values = check_values(reference_criterion(model, torch.cat([prompt, first], dim=1), r, criterion),
-                          criterion, r, min_steps, every)
+    values = check_values(
+        reference_criterion(model, torch.cat([prompt, first], dim=1), r, criterion), criterion, r, min_steps, every
+    )
     if criterion == "argmax":
         threshold = 2.0
         exit_at = next((i for i, stable in values if stable >= threshold), r)
@@ -200,8 +241,14 @@ def test_exit_step_equals_the_criterion_of_full_forwards(criterion: str, min_ste
         exit_at = values[best][0]
     checks_run = sum(i <= exit_at for i, _ in values)
     calls = 1 if criterion == "latent-diff" else checks_run + (exit_at == r)
-    options = GenerationOptions(max_new_tokens=2, num_steps=r, exit_criterion=criterion, exit_threshold=threshold,
-                                min_steps=min_steps, check_every=every)
+    options = GenerationOptions(
+        max_new_tokens=2,
+        num_steps=r,
+        exit_criterion=criterion,
+        exit_threshold=threshold,
+        min_steps=min_steps,
+        check_every=every,
+    )
     out = generate(model, prompt, options, forced_tokens=torch.cat([first, first], dim=1))
     assert out.tokens[0, 0] == first[0, 0]
     assert (int(out.steps[0, 1]), int(out.head_calls[0, 1])) == (exit_at, calls)
@@ -223,8 +270,14 @@ THRESHOLDS = {
 def test_batched_equals_single(model: RecurrentLM, kv_sharing: str, criterion: str | None) -> None:
     """A left-padded batch gives each row exactly its own tokens and per-token depths (Huginn's cannot)."""
     threshold = THRESHOLDS[kv_sharing][criterion] if criterion else None
-    options = GenerationOptions(max_new_tokens=10, num_steps=8, kv_sharing=kv_sharing, exit_criterion=criterion,
-                                exit_threshold=threshold, state_init="previous" if criterion == "kl" else None)
+    options = GenerationOptions(
+        max_new_tokens=10,
+        num_steps=8,
+        kv_sharing=kv_sharing,
+        exit_criterion=criterion,
+        exit_threshold=threshold,
+        state_init="previous" if criterion == "kl" else None,
+    )
     rows = prompts()
     ids, mask = left_pad(rows, 0)
     batched = generate(model, ids, options, attention_mask=mask)
@@ -242,10 +295,21 @@ def test_batched_equals_single(model: RecurrentLM, kv_sharing: str, criterion: s
 def test_exited_rows_do_not_write_and_skipped_slots_hold_the_last_kv() -> None:
     """Row 1 exits after 2 of 4 iterations: later iterations leave its K/V alone, then its slots 2, 3 get slot 1's."""
     for kv_sharing, slots, expected_row0, expected_row1 in [
-        ("full", 4, [1, 2, 3, 4], [1, 2, 2, 2]), ("compress-2", 2, [3, 4], [1, 2]), ("latest", 1, [4], [2])
+        ("full", 4, [1, 2, 3, 4], [1, 2, 2, 2]),
+        ("compress-2", 2, [3, 4], [1, 2]),
+        ("latest", 1, [4], [2]),
     ]:
-        cache = KVCache(batch_size=2, capacity=3, n_prelude=0, n_core=1, n_coda=0, n_kv_heads=1, head_dim=1,
-                        num_steps=4, kv_sharing=kv_sharing)
+        cache = KVCache(
+            batch_size=2,
+            capacity=3,
+            n_prelude=0,
+            n_core=1,
+            n_coda=0,
+            n_kv_heads=1,
+            head_dim=1,
+            num_steps=4,
+            kv_sharing=kv_sharing,
+        )
         cache.begin(1)
         for i in range(4):
             value = torch.full((2, 1, 1, 1), float(i + 1))
@@ -283,7 +347,6 @@ def test_cache_bytes_latest_is_the_static_models_and_full_grows_with_r() -> None
         assert KVCache.planned_bytes(a, bsz, 5 + 3, r, mode, 4) == nbytes
 
 
-
 def load_bench_generate():
     """tools/bench_generate.py as a module (tools/ is not a package)."""
     import importlib.util
@@ -304,13 +367,40 @@ def test_bench_memory_quotes_the_llama_retrofit_cache(capsys) -> None:
         ["32", "latest", "14", f"{14 * 2 * 8 * 2048 * 64 * 2 / 2**20:.1f}", "1.00"],
     ]
 
+
 def test_bench_speed_times_every_engine_in_interleaved_rounds(capsys) -> None:
     """The speed table docs/benchmarks.md quotes: one row per engine, ratios to ``cat`` from the same rounds."""
     bench = load_bench_generate()
-    bench.main(["speed", "--dim", "32", "--heads", "2", "--kv-heads", "1", "--ffn", "64", "--vocab", "64",
-                "--batch-sizes", "2", "--recurrences", "3", "--prompt-len", "4", "--new-tokens", "6", "--rounds", "2"])
-    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
-            if line.startswith("| 2 ")]
+    bench.main(
+        [
+            "speed",
+            "--dim",
+            "32",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--ffn",
+            "64",
+            "--vocab",
+            "64",
+            "--batch-sizes",
+            "2",
+            "--recurrences",
+            "3",
+            "--prompt-len",
+            "4",
+            "--new-tokens",
+            "6",
+            "--rounds",
+            "2",
+        ]
+    )
+    rows = [
+        [cell.strip() for cell in line.split("|")[1:-1]]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| 2 ")
+    ]
     assert [row[2] for row in rows] == ["cat", "full", "latest"]
     assert rows[0][5:7] == ["1.00", "1.00"] and all(float(row[5]) > 0 for row in rows)
     assert float(rows[2][7]) < float(rows[1][7])  # latest holds fewer slots than full at r = 3
@@ -323,8 +413,13 @@ def test_warm_start_continues_from_the_previous_tokens_state(model: RecurrentLM)
     """state_init="previous" equals model.forward with the core's initial state replaced by the previous
     token's final state (the prompt starts from zeros)."""
     r, seq = 5, torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
-    out = generate(model, seq[:, :4], GenerationOptions(max_new_tokens=5, num_steps=r, state_init="previous"),
-                   forced_tokens=seq[:, 4:], return_logits=True)
+    out = generate(
+        model,
+        seq[:, :4],
+        GenerationOptions(max_new_tokens=5, num_steps=r, state_init="previous"),
+        forced_tokens=seq[:, 4:],
+        return_logits=True,
+    )
     finals, expected = [], []
     hook = model.core.register_forward_hook(lambda module, args, output: finals.append(output[:, -1:]))
     cache = KVCache.for_model(model, 2, 9, num_steps=r)
@@ -339,8 +434,13 @@ def test_warm_start_continues_from_the_previous_tokens_state(model: RecurrentLM)
         model.core.initial_state = original
         hook.remove()
     torch.testing.assert_close(out.logits, torch.stack(expected, dim=1), atol=ATOL, rtol=0)
-    cold = generate(model, seq[:, :4], GenerationOptions(max_new_tokens=5, num_steps=r),
-                    forced_tokens=seq[:, 4:], return_logits=True)
+    cold = generate(
+        model,
+        seq[:, :4],
+        GenerationOptions(max_new_tokens=5, num_steps=r),
+        forced_tokens=seq[:, 4:],
+        return_logits=True,
+    )
     assert not torch.allclose(out.logits[:, 1:], cold.logits[:, 1:], atol=1e-3)
 
 
@@ -386,9 +486,15 @@ def test_bad_options_are_one_line_errors(model: RecurrentLM, options: dict, mess
 
 def test_bad_prompts_are_one_line_errors(model: RecurrentLM) -> None:
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        generate(model, torch.ones(2, 3, dtype=torch.long), GenerationOptions(),
-                 attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]))
-    with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_new_tokens \(5\) exceeds the model's max_seq_len \(64\)"):
+        generate(
+            model,
+            torch.ones(2, 3, dtype=torch.long),
+            GenerationOptions(),
+            attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]),
+        )
+    with pytest.raises(
+        ValueError, match=r"prompt \(60 tokens\) \+ max_new_tokens \(5\) exceeds the model's max_seq_len \(64\)"
+    ):
         generate(model, torch.ones(1, 60, dtype=torch.long), GenerationOptions(max_new_tokens=5))
     static = build(n_core=0)
     with pytest.raises(ValueError, match="static model"):
@@ -405,8 +511,12 @@ def test_bad_prompts_are_one_line_errors(model: RecurrentLM) -> None:
         (dict(num_steps=5, kv_sharing="compress-2"), {2, 1}),
         # exit checks after 3, 5, 7 iterations of 8: runs of 3, 2, 2, 1, split into calls of 2 and 1;
         # warm start (a strided warm state once made every call recompile)
-        (dict(num_steps=8, exit_criterion="kl", exit_threshold=0.1, min_steps=3, check_every=2,
-              state_init="previous"), {2, 1}),
+        (
+            dict(
+                num_steps=8, exit_criterion="kl", exit_threshold=0.1, min_steps=3, check_every=2, state_init="previous"
+            ),
+            {2, 1},
+        ),
     ],
 )
 @pytest.mark.slow
@@ -426,8 +536,7 @@ def test_compiled_decode_runs_several_iterations_per_call(model, monkeypatch, kn
     ids, mask = left_pad(prompts(), 0)
     options = GenerationOptions(max_new_tokens=5, iterations_per_call=2, **knobs)
     eager = generate(model, ids, options, attention_mask=mask, return_logits=True)
-    compiled = generate(model, ids, dataclasses.replace(options, compile=True), attention_mask=mask,
-                        return_logits=True)
+    compiled = generate(model, ids, dataclasses.replace(options, compile=True), attention_mask=mask, return_logits=True)
     assert compiled.tokens.tolist() == eager.tokens.tolist() and compiled.steps.tolist() == eager.steps.tolist()
     torch.testing.assert_close(compiled.logits, eager.logits, atol=ATOL, rtol=0)
     if "exit_criterion" in knobs:
@@ -443,8 +552,7 @@ def test_compiled_decode_runs_several_iterations_per_call(model, monkeypatch, kn
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random model folder (vocab 512, random adapter: depth matters) with the bundled tokenizer."""
     folder = tmp_path_factory.mktemp("generate") / "model"
-    save_model(build(vocab_size=512, dim=32, max_seq_len=128, state_init="zero", eos_id=2, pad_id=0, bos_id=1),
-               folder)
+    save_model(build(vocab_size=512, dim=32, max_seq_len=128, state_init="zero", eos_id=2, pad_id=0, bos_id=1), folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(REPO / "assets" / "tokenizer" / name, folder / name)
     return folder
@@ -462,8 +570,21 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
 def test_cli_json_fields_and_batched_equals_single(model_dir: Path, tmp_path: Path, capsys) -> None:
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CLI_PROMPTS))
-    common = ["--checkpoint", str(model_dir), "--num-steps", "6", "--kv-sharing", "latest", "--exit", "entropy-diff",
-              "--exit-threshold", "1e-3", "--max-new-tokens", "12", "--json"]
+    common = [
+        "--checkpoint",
+        str(model_dir),
+        "--num-steps",
+        "6",
+        "--kv-sharing",
+        "latest",
+        "--exit",
+        "entropy-diff",
+        "--exit-threshold",
+        "1e-3",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]
     code, out, err = run_cli(capsys, *common, "--prompts", str(prompts_file), "--batch-size", "3")
     assert code == 0, err
     report = json.loads(out)
@@ -474,7 +595,7 @@ def test_cli_json_fields_and_batched_equals_single(model_dir: Path, tmp_path: Pa
 
     tokenizer = load_tokenizer(model_dir)
     steps = []
-    for prompt, result in zip(CLI_PROMPTS, report["prompts"]):
+    for prompt, result in zip(CLI_PROMPTS, report["prompts"], strict=False):
         assert set(result) == {"prompt", "text", "tokens", "steps_per_token", "mean_steps"}
         assert result["prompt"] == prompt and len(result["steps_per_token"]) == len(result["tokens"]) > 0
         assert result["mean_steps"] == pytest.approx(sum(result["steps_per_token"]) / len(result["tokens"]))
@@ -496,14 +617,37 @@ def test_cli_bad_input_is_one_line_before_decoding(model_dir: Path, tmp_path: Pa
     empty_line.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": " "}) + "\n")
     base = ["--checkpoint", str(model_dir), "--num-steps", "4"]
     cases = {
-        "exit_criterion must be one of kl, latent-diff, entropy-diff, argmax, got 'entropy'":
-            [*base, "--prompt", "a", "--exit", "entropy"],
-        "kv_sharing must be 'full', 'latest' or 'compress-N' with N >= 1, got 'compress'":
-            [*base, "--prompt", "a", "--kv-sharing", "compress"],
+        "exit_criterion must be one of kl, latent-diff, entropy-diff, argmax, got 'entropy'": [
+            *base,
+            "--prompt",
+            "a",
+            "--exit",
+            "entropy",
+        ],
+        "kv_sharing must be 'full', 'latest' or 'compress-N' with N >= 1, got 'compress'": [
+            *base,
+            "--prompt",
+            "a",
+            "--kv-sharing",
+            "compress",
+        ],
         "exit_threshold must be > 0, got 0.0": [*base, "--prompt", "a", "--exit", "kl", "--exit-threshold", "0"],
-        "min_steps must be an integer in [1, max_steps = num_steps = 4], got 5":
-            [*base, "--prompt", "a", "--exit", "kl", "--min-steps", "5"],
-        "max_new_tokens (200) exceeds the model's max_seq_len (128)": [*base, "--prompt", "a", "--max-new-tokens", "200"],
+        "min_steps must be an integer in [1, max_steps = num_steps = 4], got 5": [
+            *base,
+            "--prompt",
+            "a",
+            "--exit",
+            "kl",
+            "--min-steps",
+            "5",
+        ],
+        "max_new_tokens (200) exceeds the model's max_seq_len (128)": [
+            *base,
+            "--prompt",
+            "a",
+            "--max-new-tokens",
+            "200",
+        ],
         "--prompt is empty": [*base, "--prompt", ""],
         f"{empty_line}:2: empty prompt": [*base, "--prompts", str(empty_line)],
         "argument --min-steps: invalid int value: 'x'": [*base, "--prompt", "a", "--min-steps", "x"],
@@ -521,35 +665,49 @@ def test_cli_bad_input_is_one_line_before_decoding(model_dir: Path, tmp_path: Pa
 def test_lm_eval_model_and_harness_sweep_exit_thresholds(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
     """generate_until through the engine with adaptive exit: batch size changes nothing, depth is counted per
     task, and the harness table and compute curve carry it."""
+    import lm_eval.evaluator
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     from titan_recur.eval.harness import CURVE_PNG, ITERATIONS, harness_sweep, results_table, write_results
     from titan_recur.eval.lm_eval_model import TitanRecurLM
 
-    import lm_eval.evaluator
-
     monkeypatch.chdir(REPO)  # the tiny task names its data relative to the repository
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     # lm_eval's environment report runs pip in subprocesses (~5 s per evaluation); not what is tested.
     monkeypatch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)
     manager = TaskManager(include_path=str(REPO / "tests" / "assets_lm_eval"), include_defaults=False)
-    args = dict(pretrained=str(model_dir), num_steps=6, kv_sharing="compress-2", exit_criterion="argmax",
-                max_gen_toks=8)
+    args = dict(
+        pretrained=str(model_dir), num_steps=6, kv_sharing="compress-2", exit_criterion="argmax", max_gen_toks=8
+    )
     lm = TitanRecurLM(**args, batch_size=4)
-    results = harness_sweep(lm, ["titan_recur_tiny_gen", "titan_recur_tiny_choice"], [6], manager,
-                            exit_thresholds=[1, 3], limit=3, log_samples=True)
+    results = harness_sweep(
+        lm,
+        ["titan_recur_tiny_gen", "titan_recur_tiny_choice"],
+        [6],
+        manager,
+        exit_thresholds=[1, 3],
+        limit=3,
+        log_samples=True,
+    )
     assert list(results) == ["6@1", "6@3"]
     rows = {(row["task"], row["metric"]): row for row in results_table(results)}
     gen = rows[("titan_recur_tiny_gen", ITERATIONS)]
     assert gen["6@1"] < gen["6@3"] <= 6  # tokens exit early, more so at the lower threshold
-    assert rows[("titan_recur_tiny_choice", ITERATIONS)] == {"task": "titan_recur_tiny_choice", "metric": ITERATIONS,
-                                                             "6@1": 6.0, "6@3": 6.0}  # scoring runs r
+    assert rows[("titan_recur_tiny_choice", ITERATIONS)] == {
+        "task": "titan_recur_tiny_choice",
+        "metric": ITERATIONS,
+        "6@1": 6.0,
+        "6@3": 6.0,
+    }  # scoring runs r
     alone = TitanRecurLM(**args, exit_threshold=1, batch_size=1)
-    single = simple_evaluate(model=alone, tasks=["titan_recur_tiny_gen"], task_manager=manager, limit=3,
-                             log_samples=True)
+    single = simple_evaluate(
+        model=alone, tasks=["titan_recur_tiny_gen"], task_manager=manager, limit=3, log_samples=True
+    )
+
     def responses(result):
         return [s["resps"] for s in result["samples"]["titan_recur_tiny_gen"]]
+
     assert responses(single) == responses(results["6@1"])
     tokens, iterations = alone.depth_stats["titan_recur_tiny_gen"]
     assert iterations / tokens == gen["6@1"]
@@ -569,12 +727,12 @@ def test_hf_export_generate_takes_the_depth_knobs(model_dir: Path, tmp_path: Pat
     export_hf(load_model(model_dir), tmp_path / "hf", tokenizer_folder=model_dir)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
     ids, mask = left_pad([[5, 6, 7], [8, 9, 10, 11, 12]], 0)
-    knobs = dict(num_steps=6, kv_sharing="latest", exit_criterion="kl", exit_threshold=1e-2, min_steps=2,
-                 state_init="previous")
-    expected = generate(load_model(model_dir), ids, GenerationOptions(max_new_tokens=10, **knobs),
-                        attention_mask=mask)
+    knobs = dict(
+        num_steps=6, kv_sharing="latest", exit_criterion="kl", exit_threshold=1e-2, min_steps=2, state_init="previous"
+    )
+    expected = generate(load_model(model_dir), ids, GenerationOptions(max_new_tokens=10, **knobs), attention_mask=mask)
     out = hf.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, **knobs)
-    assert torch.equal(out[:, ids.shape[1]:], expected.tokens)
+    assert torch.equal(out[:, ids.shape[1] :], expected.tokens)
     assert expected.steps[:, 1:].float().mean() < 6
     with pytest.raises(ValueError, match="num_beams=1"):
         hf.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2, kv_sharing="latest")

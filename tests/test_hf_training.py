@@ -101,7 +101,9 @@ def test_training_forward_samples_depth_like_the_trainer(exported: Path) -> None
     handle.remove()
 
 
-TRAINER_SCRIPT = BLOCK_TITAN_RECUR + """
+TRAINER_SCRIPT = (
+    BLOCK_TITAN_RECUR
+    + """
 import json, sys, torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 export, out = sys.argv[1], sys.argv[2]
@@ -123,6 +125,7 @@ for checkpointing in (False, True):
 results["titan_recur_imported"] = any(m.split(".")[0] == "titan_recur" for m in sys.modules)
 json.dump(results, open(out + "/result.json", "w"))
 """
+)
 
 
 @pytest.mark.slow
@@ -206,8 +209,16 @@ def test_peft_lora_trains_merges_and_reloads(exported: Path, tmp_path: Path) -> 
 # other module on disk but the prelude and the coda.
 OFFLOAD_CASES = {
     "max_memory": dict(device_map="auto", max_memory={"cpu": "150KB"}),
-    "explicit": dict(device_map={"model.embed_tokens": "disk", "model.prelude": "cpu", "model.core": "disk",
-                                 "model.coda": "cpu", "model.norm": "disk", "model.lm_head": "disk"}),
+    "explicit": dict(
+        device_map={
+            "model.embed_tokens": "disk",
+            "model.prelude": "cpu",
+            "model.core": "disk",
+            "model.coda": "cpu",
+            "model.norm": "disk",
+            "model.lm_head": "disk",
+        }
+    ),
 }
 
 
@@ -259,10 +270,17 @@ def test_inputs_embeds_and_hidden_states(exported: Path) -> None:
         first_core = 1 + args.n_prelude
         for i in range(first_core + 2):
             torch.testing.assert_close(shallow[i], hidden[i], atol=0, rtol=0)
-    generated = model.generate(inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=5, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
-    assert torch.equal(generated[:, -5:], model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None,
-                                                         pad_token_id=0)[:, ids.shape[1] :])
+    generated = model.generate(
+        inputs_embeds=model.get_input_embeddings()(ids),
+        max_new_tokens=5,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    assert torch.equal(
+        generated[:, -5:],
+        model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)[:, ids.shape[1] :],
+    )
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

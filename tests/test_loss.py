@@ -39,7 +39,7 @@ def test_chunked_loss_equals_plain_in_value_and_gradient(chunk):
     chunked = chunked_cross_entropy_sum(hidden, weight, labels, chunk)
     chunked_grads = torch.autograd.grad(chunked, (hidden, weight))
     torch.testing.assert_close(chunked, plain, atol=1e-5, rtol=1e-6)
-    for got, want in zip(chunked_grads, plain_grads):
+    for got, want in zip(chunked_grads, plain_grads, strict=False):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -103,8 +103,19 @@ def test_chunked_backward_holds_one_weight_gradient_and_a_few_chunks():
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_model_loss_path_equals_logits_path(tie):
-    args = ModelArgs(vocab_size=97, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, n_prelude=1, n_core=2,
-                     n_coda=1, adapter_init="random", tie_embeddings=tie)
+    args = ModelArgs(
+        vocab_size=97,
+        dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        ffn_dim=48,
+        n_prelude=1,
+        n_core=2,
+        n_coda=1,
+        adapter_init="random",
+        tie_embeddings=tie,
+    )
     torch.manual_seed(0)
     model = RecurrentLM(args)
     model.init_weights(0.1)

@@ -16,15 +16,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from titan_recur.inference.engine import greedy_generate
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.blocks import AttentionContext, TransformerBlock
 from titan_recur.models.cache import KVCache
-from titan_recur.inference.engine import greedy_generate
-from titan_recur.storage.manifest import seal_folder
-from titan_recur.storage.model_io import WEIGHTS_NAME, load_model, save_model
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.models.model import Decoding, RecurrentLM, resolve_num_steps
 from titan_recur.models.rope import rope_cos_sin, rope_inverse_frequencies
+from titan_recur.storage.manifest import seal_folder
+from titan_recur.storage.model_io import WEIGHTS_NAME, load_model, save_model
 
 VOCAB = 97
 PAD = 0
@@ -38,8 +38,16 @@ GROUPS = {
 
 def tiny_args(**overrides) -> ModelArgs:
     values = dict(
-        vocab_size=VOCAB, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48,
-        n_prelude=1, n_core=2, n_coda=1, max_seq_len=64,
+        vocab_size=VOCAB,
+        dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        ffn_dim=48,
+        n_prelude=1,
+        n_core=2,
+        n_coda=1,
+        max_seq_len=64,
     )
     values.update(overrides)
     return ModelArgs(**values)
@@ -206,7 +214,7 @@ def test_no_grad_prefix_keeps_no_graph():
     n, k = 4, 2
     model(x, (n, k), state_init="embed")
     assert [i for i, *_ in seen] == list(range(n + k))
-    for i, state_in, out, grad_on in seen:
+    for i, _state_in, out, grad_on in seen:
         if i < n:
             assert not grad_on and not out.requires_grad and out.grad_fn is None, i
         else:
@@ -250,7 +258,7 @@ def test_train_mode_int_steps_train_every_part_with_truncated_backprop():
         grads = [p.grad.clone() for p in model.parameters()]
         model.zero_grad()
         cross_entropy_loss(model(x, expected, state_init="zero")[:, :-1], x[:, 1:]).backward()
-        for grad, p in zip(grads, model.parameters()):
+        for grad, p in zip(grads, model.parameters(), strict=False):
             torch.testing.assert_close(grad, p.grad, atol=0, rtol=0)
         with torch.no_grad():
             torch.testing.assert_close(logits, model(x, r, state_init="zero"), atol=0, rtol=0)
@@ -300,8 +308,8 @@ def _left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = p
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = p
+        mask[row, width - len(p) :] = 1
     return ids, mask
 
 
@@ -327,7 +335,7 @@ def test_batched_left_padded_generation_equals_single(r, block_type):
         logits = model(ids, r, attention_mask=mask, state_init="zero")
         for row, p in enumerate(prompts):
             alone = model(p[None], r, state_init="zero")[0]
-            torch.testing.assert_close(logits[row, -len(p):], alone, atol=TOL, rtol=0)
+            torch.testing.assert_close(logits[row, -len(p) :], alone, atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("block_type", ["llama", "olmo2"])
@@ -342,7 +350,7 @@ def test_incremental_decoding_matches_full_forward(block_type):
         out = model(seq[:, :prefill], r, state_init="zero", decoding=Decoding(cache=cache))
         torch.testing.assert_close(out, full[:, :prefill], atol=TOL, rtol=0)
         for t in range(prefill, seq.shape[1]):
-            out = model(seq[:, t:t + 1], r, state_init="zero", decoding=Decoding(cache=cache))
+            out = model(seq[:, t : t + 1], r, state_init="zero", decoding=Decoding(cache=cache))
             torch.testing.assert_close(out[:, 0], full[:, t], atol=TOL, rtol=0, msg=f"step {t}")
         assert cache.length == seq.shape[1]
         # one KV slot per prelude block, per (core block, iteration), per coda block
@@ -483,7 +491,7 @@ def test_forward_default_depth_is_mean_recurrence():
 
 
 def _truncated_std(sigma: float, bound: float = 3.0) -> float:
-    phi = math.exp(-bound**2 / 2) / math.sqrt(2 * math.pi)
+    phi = math.exp(-(bound**2) / 2) / math.sqrt(2 * math.pi)
     mass = math.erf(bound / math.sqrt(2))
     return sigma * math.sqrt(1 - 2 * bound * phi / mass)
 
@@ -543,14 +551,22 @@ def test_block_matches_transformers_decoder_layer(block_type):
     from transformers.models.olmo2.modeling_olmo2 import Olmo2DecoderLayer, Olmo2RotaryEmbedding
 
     scaling = {
-        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64,
     }
     eps = 1e-6
     args = tiny_args(head_dim=16, block_type=block_type, norm_eps=eps, rope_theta=500.0, rope_scaling=scaling)
     common = dict(
-        hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-        rms_norm_eps=eps, max_position_embeddings=256, attn_implementation="eager",
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=eps,
+        max_position_embeddings=256,
+        attn_implementation="eager",
         rope_parameters={**scaling, "rope_theta": 500.0},
     )
     if block_type == "llama":

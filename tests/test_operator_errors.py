@@ -44,8 +44,24 @@ def one_error_line(capsys, code: int, *needles: str) -> str:
 
 
 def loss_args(tmp_path: Path, *extra: str) -> list[str]:
-    return ["loss", "--checkpoint", str(MODEL), "--data", str(CORPUS), "--batches", "1", "--batch-size", "1",
-            "--seq-len", "32", "--recurrences", "1", "--out", str(tmp_path / "loss"), *extra]
+    return [
+        "loss",
+        "--checkpoint",
+        str(MODEL),
+        "--data",
+        str(CORPUS),
+        "--batches",
+        "1",
+        "--batch-size",
+        "1",
+        "--seq-len",
+        "32",
+        "--recurrences",
+        "1",
+        "--out",
+        str(tmp_path / "loss"),
+        *extra,
+    ]
 
 
 # ------------------------------------------------------------------------------------------- bounds
@@ -68,15 +84,17 @@ def test_eval_loss_refuses_a_batch_larger_than_free_memory(tmp_path, capsys):
 
 
 def test_analyze_layers_refuses_a_seq_len_beyond_the_sources_positions(tmp_path, capsys):
-    code = analyze_main([str(ASSETS / "tiny_llama"), "--data", str(CORPUS), "--seq-len", "100000000",
-                         "--out", str(tmp_path / "a")])
+    code = analyze_main(
+        [str(ASSETS / "tiny_llama"), "--data", str(CORPUS), "--seq-len", "100000000", "--out", str(tmp_path / "a")]
+    )
     one_error_line(capsys, code, "--seq-len 100000000", "max_seq_len")
     assert not (tmp_path / "a").exists()
 
 
 def test_analyze_layers_refuses_an_unbounded_recurrence(tmp_path, capsys):
-    code = analyze_main([str(ASSETS / "tiny_llama"), "--data", str(CORPUS), "--recurrences", "1,5000",
-                         "--out", str(tmp_path / "a")])
+    code = analyze_main(
+        [str(ASSETS / "tiny_llama"), "--data", str(CORPUS), "--recurrences", "1,5000", "--out", str(tmp_path / "a")]
+    )
     one_error_line(capsys, code, "5000", str(MAX_RECURRENCE))
 
 
@@ -89,8 +107,20 @@ def test_generate_refuses_a_kv_cache_larger_than_free_memory(tmp_path, capsys):
     """1000 prompts decoded together at r = 1024 with full K/V sharing: ~1 TB of cache, refused before the load."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{i} + 1 ="}) + "\n" for i in range(1000)))
-    code = generate_main(["--checkpoint", str(MODEL), "--prompts", str(prompts), "--num-steps", "1024",
-                          "--batch-size", "1000", "--max-new-tokens", "2000"])
+    code = generate_main(
+        [
+            "--checkpoint",
+            str(MODEL),
+            "--prompts",
+            str(prompts),
+            "--num-steps",
+            "1024",
+            "--batch-size",
+            "1000",
+            "--max-new-tokens",
+            "2000",
+        ]
+    )
     one_error_line(capsys, code, "KV cache", "GiB", "free", "--kv-sharing latest")
 
 
@@ -136,8 +166,19 @@ def test_eval_loss_never_replaces_an_earlier_report_without_force(tmp_path, caps
 
 
 def prepare_args(out: Path, *extra: str) -> list[str]:
-    return ["--tokenizer", str(ASSETS / "tokenizer"), "--path", str(CORPUS), "--out", str(out), "--workers", "1",
-            "--max-docs", "20", *extra]
+    return [
+        "--tokenizer",
+        str(ASSETS / "tokenizer"),
+        "--path",
+        str(CORPUS),
+        "--out",
+        str(out),
+        "--workers",
+        "1",
+        "--max-docs",
+        "20",
+        *extra,
+    ]
 
 
 def test_prepare_data_refuses_a_non_empty_out_in_one_line(tmp_path, capsys):
@@ -183,8 +224,9 @@ def test_unverified_loads_a_folder_without_manifest_and_says_so(unsealed_model, 
     reference = load_model(MODEL)
     ids = torch.tensor([[1, 5, 9, 11]])
     torch.testing.assert_close(model(ids, num_steps=2), reference(ids, num_steps=2), rtol=0, atol=0)
-    code = generate_main(["--checkpoint", str(unsealed_model), "--prompt", "1 2", "--max-new-tokens", "2",
-                          "--unverified"])
+    code = generate_main(
+        ["--checkpoint", str(unsealed_model), "--prompt", "1 2", "--max-new-tokens", "2", "--unverified"]
+    )
     assert code == 0, capsys.readouterr().err
 
 
@@ -213,8 +255,20 @@ def test_generate_names_a_prompts_file_that_is_not_utf8(tmp_path, capsys):
 def test_prepare_data_names_a_text_file_that_is_not_utf8(tmp_path, capsys):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"hello\n\nworld \xff\xfe bad\n")
-    code = prepare_main(["--tokenizer", str(ASSETS / "tokenizer"), "--path", str(bad), "--kind", "text",
-                         "--out", str(tmp_path / "out"), "--workers", "1"])
+    code = prepare_main(
+        [
+            "--tokenizer",
+            str(ASSETS / "tokenizer"),
+            "--path",
+            str(bad),
+            "--kind",
+            "text",
+            "--out",
+            str(tmp_path / "out"),
+            "--workers",
+            "1",
+        ]
+    )
     one_error_line(capsys, code, str(bad), "not UTF-8", "0xff at offset 13")
 
 
@@ -239,12 +293,26 @@ def test_generate_refuses_a_tokenizer_of_another_vocabulary(tmp_path, capsys):
     vocab = spec["model"]["vocab"]
     vocab["e"], vocab["t"] = vocab["t"], vocab["e"]
     (other / "tokenizer.json").write_text(json.dumps(spec))
-    code = generate_main(["--checkpoint", str(MODEL), "--prompt", "the test", "--tokenizer", str(other),
-                          "--max-new-tokens", "2"])
+    code = generate_main(
+        ["--checkpoint", str(MODEL), "--prompt", "the test", "--tokenizer", str(other), "--max-new-tokens", "2"]
+    )
     one_error_line(capsys, code, f"--tokenizer {other}", "not the tokenizer of")
     # The model's own tokenizer, named explicitly, is fine.
-    assert generate_main(["--checkpoint", str(MODEL), "--prompt", "the test", "--tokenizer", str(ASSETS / "tokenizer"),
-                          "--max-new-tokens", "2"]) == 0
+    assert (
+        generate_main(
+            [
+                "--checkpoint",
+                str(MODEL),
+                "--prompt",
+                "the test",
+                "--tokenizer",
+                str(ASSETS / "tokenizer"),
+                "--max-new-tokens",
+                "2",
+            ]
+        )
+        == 0
+    )
 
 
 def test_compare_says_it_wants_run_folders(capsys):
@@ -256,8 +324,17 @@ def test_compare_says_it_wants_run_folders(capsys):
 
 def test_eval_harness_checks_the_model_before_the_tasks(tmp_path, capsys):
     pytest.importorskip("lm_eval")
-    code = eval_main(["harness", "--model-args", f"pretrained={tmp_path / 'missing'}", "--tasks", "gsm8k_cot_recur",
-                      "--out", str(tmp_path / "h")])
+    code = eval_main(
+        [
+            "harness",
+            "--model-args",
+            f"pretrained={tmp_path / 'missing'}",
+            "--tasks",
+            "gsm8k_cot_recur",
+            "--out",
+            str(tmp_path / "h"),
+        ]
+    )
     one_error_line(capsys, code, str(tmp_path / "missing"), "no such checkpoint")
 
 
@@ -271,8 +348,9 @@ def full_disk(tmp_path):
 
     folder = tmp_path / "tmpfs"
     folder.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True,
-                           text=True)
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True, text=True
+    )
     if mount.returncode != 0:
         pytest.fail(f"the disk-full tests need to mount a tmpfs (run as root): {mount.stderr.strip()}")
 
@@ -309,8 +387,10 @@ def test_metrics_close_on_a_full_disk_is_one_warning_not_a_traceback(full_disk, 
 
 # --------------------------------------------------------------------------------- dump-folder lock
 
-HOLD = ("import sys, time; from titan_recur.storage.lock import DumpFolderLock; DumpFolderLock.acquire(sys.argv[1]); "
-        "print('held', flush=True); time.sleep(600)")
+HOLD = (
+    "import sys, time; from titan_recur.storage.lock import DumpFolderLock; DumpFolderLock.acquire(sys.argv[1]); "
+    "print('held', flush=True); time.sleep(600)"
+)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -325,8 +405,9 @@ def start_holder(folder: Path, **env: str):
     import subprocess
     import sys
 
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True,
-                              env=subprocess_env(**env))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True, env=subprocess_env(**env)
+    )
     assert holder.stdout.readline().strip() == "held"
     return holder
 
@@ -351,8 +432,18 @@ def train(config: Path, dump: Path, *extra: str, wait: bool = True):
     import subprocess
     import sys
 
-    argv = [sys.executable, "-m", "titan_recur.train", "--config", str(config), "--job.dump_folder", str(dump),
-            "--training.global_batch_size", "2", *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "titan_recur.train",
+        "--config",
+        str(config),
+        "--job.dump_folder",
+        str(dump),
+        "--training.global_batch_size",
+        "2",
+        *extra,
+    ]
     if not wait:
         return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
     return subprocess.run(argv, capture_output=True, text=True, env=subprocess_env(), timeout=600)
@@ -367,8 +458,17 @@ def test_a_second_run_on_a_live_runs_dump_folder_is_refused_naming_it(train_conf
     from titan_recur.storage.lock import LOCK_NAME
 
     dump = tmp_path / "dump"
-    first = train(train_config, dump, "--training.steps", "100000", "--checkpoint.interval", "100000",
-                  "--validation.enable", "false", wait=False)
+    first = train(
+        train_config,
+        dump,
+        "--training.steps",
+        "100000",
+        "--checkpoint.interval",
+        "100000",
+        "--validation.enable",
+        "false",
+        wait=False,
+    )
     try:
         while not (dump / "metrics.jsonl").is_file() or not (dump / "metrics.jsonl").read_text():
             assert first.poll() is None, first.communicate()
@@ -383,7 +483,10 @@ def test_a_second_run_on_a_live_runs_dump_folder_is_refused_naming_it(train_conf
     assert (dump / LOCK_NAME).is_file(), "kill -9 leaves the lock behind"
     third = train(train_config, dump, "--training.steps", "2")
     assert third.returncode == 0, third.stderr[-3000:]
-    assert f"took over the stale lock {dump / LOCK_NAME}" in third.stdout and f"process {first.pid} is gone" in third.stdout
+    assert (
+        f"took over the stale lock {dump / LOCK_NAME}" in third.stdout
+        and f"process {first.pid} is gone" in third.stdout
+    )
     assert not (dump / LOCK_NAME).exists(), "released at the end"
 
 

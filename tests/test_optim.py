@@ -14,9 +14,9 @@ from titan_recur.training.optim import (
     assign_owners,
     build_optimizers,
     clip_coefficient,
+    fused_matrix_groups,
     grad_square_sum,
     scale_grads_,
-    fused_matrix_groups,
     shard_rows,
     split_params_for_muon,
     wsd_factor,
@@ -28,8 +28,17 @@ SHAPES = [(8, 5), (5, 8), (6, 6), (1, 4), (12, 3)]
 def tiny_model(tie: bool = False, seed: int = 0) -> RecurrentLM:
     torch.manual_seed(seed)
     args = ModelArgs(
-        vocab_size=64, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48,
-        n_prelude=1, n_core=2, n_coda=1, tie_embeddings=tie, state_init="zero",
+        vocab_size=64,
+        dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        ffn_dim=48,
+        n_prelude=1,
+        n_core=2,
+        n_coda=1,
+        tie_embeddings=tie,
+        state_init="zero",
     )
     model = RecurrentLM(args)
     model.init_weights()
@@ -38,8 +47,17 @@ def tiny_model(tie: bool = False, seed: int = 0) -> RecurrentLM:
 
 def optimizer_cfg(**overrides) -> Optimizer:
     values = dict(
-        name="muon", lr=1e-2, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=1e-4, fuse_qkv=False,
-        adamw_lr=1e-3, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=1e-4,
+        name="muon",
+        lr=1e-2,
+        momentum=0.95,
+        nesterov=True,
+        ns_steps=5,
+        weight_decay=1e-4,
+        fuse_qkv=False,
+        adamw_lr=1e-3,
+        adamw_betas=(0.9, 0.95),
+        adamw_eps=1e-8,
+        adamw_weight_decay=1e-4,
     )
     return Optimizer(**{**values, **overrides})
 
@@ -71,12 +89,12 @@ def test_muon_bit_exact_with_torch_muon(nesterov: bool) -> None:
     opt_ours = Muon(ours, **kwargs)
     opt_theirs = torch.optim.Muon(theirs, adjust_lr_fn="original", **kwargs)
     for _ in range(5):
-        for a, b in zip(ours, theirs):
+        for a, b in zip(ours, theirs, strict=False):
             a.grad = torch.randn(a.shape)
             b.grad = a.grad.clone()
         opt_ours.step()
         opt_theirs.step()
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=False):
         assert torch.equal(a, b)
         assert torch.equal(opt_ours.state[a]["momentum_buffer"], opt_theirs.state[b]["momentum_buffer"])
 
@@ -106,7 +124,7 @@ def test_fused_group_equals_concatenated_matrix() -> None:
     ref = torch.optim.Muon([fused, other_ref], lr=0.05, weight_decay=1e-4, adjust_lr_fn="original")
     for _ in range(4):
         grads = [torch.randn(p.shape) for p in (q, k, v, other)]
-        for p, g in zip((q, k, v, other), grads):
+        for p, g in zip((q, k, v, other), grads, strict=False):
             p.grad = g
         fused.grad, other_ref.grad = torch.cat(grads[:3]), grads[3].clone()
         opt.step()
@@ -139,8 +157,13 @@ def test_split_params_by_role(tie: bool) -> None:
     muon, adamw = split_params_for_muon(model)
     muon_names, adamw_names = [n for n, _ in muon], [n for n, _ in adamw]
     block_matrices = [
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
     ]
     blocks = ["prelude.0", "core.blocks.0", "core.blocks.1", "coda.0"]
     assert sorted(muon_names) == sorted(["core.adapter.weight"] + [f"{b}.{m}" for b in blocks for m in block_matrices])
@@ -244,13 +267,13 @@ def test_state_round_trip_through_dcp_state_dict(fuse: bool) -> None:
 
     restored = copy.deepcopy(model)
     fresh = build_optimizers(restored, optimizer_cfg(fuse_qkv=fuse), scheduler_cfg(), total_steps=10)
-    for opt, state in zip(fresh.optimizers, saved_optim):
+    for opt, state in zip(fresh.optimizers, saved_optim, strict=False):
         set_optimizer_state_dict(restored, opt, state)
     fresh.load_state_dict(saved_sched)
     assert fresh.current_lrs() == container.current_lrs()
     train_step(model, container, seed=2)
     train_step(restored, fresh, seed=2)
-    for (name, a), b in zip(model.named_parameters(), restored.parameters()):
+    for (name, a), b in zip(model.named_parameters(), restored.parameters(), strict=False):
         assert torch.equal(a, b), name
 
 
@@ -261,14 +284,14 @@ def test_clipping_matches_torch() -> None:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3)]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    for p, r in zip(params, ref):
+    for p, r in zip(params, ref, strict=False):
         p.grad = torch.randn(p.shape)
         r.grad = p.grad.clone()
     norm = grad_square_sum(params).sqrt()
     scale_grads_(params, clip_coefficient(norm.item(), 1.0))
     torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref, 1.0), atol=0, rtol=1e-6)
     assert norm > 1.0
-    for p, r in zip(params, ref):
+    for p, r in zip(params, ref, strict=False):
         torch.testing.assert_close(p.grad, r.grad, atol=0, rtol=1e-6)
     assert clip_coefficient(0.5, 1.0) == 1.0
 

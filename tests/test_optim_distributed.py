@@ -6,7 +6,6 @@ One torchrun launch runs tests/dist_workers/optim_worker.py; this side asserts o
 import json
 
 import pytest
-
 from torchrun_util import WORKERS_DIR, run_torchrun
 
 NPROC = 2

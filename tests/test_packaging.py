@@ -38,9 +38,22 @@ SCRIPTS = {
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "-q",
-         "-w", str(out), str(REPO)],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-cache-dir",
+            "-q",
+            "-w",
+            str(out),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     (path,) = out.glob("titan_recur-*.whl")
     return path
@@ -49,8 +62,12 @@ def wheel(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def installed(wheel, tmp_path_factory) -> Path:
     target = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return target
 
 
@@ -96,9 +113,14 @@ def help_text(command: list[str], env: dict[str, str], cwd: Path) -> str:
 
 
 # The checkout's tool shims, the console script each runs.
-SHIMS = {"convert_hf": "titan-recur-convert", "export_hf": "titan-recur-export", "flops": "titan-recur-flops",
-         "prepare_data": "titan-recur-prepare-data", "analyze_layers": "titan-recur-analyze-layers",
-         "compare": "titan-recur-compare"}
+SHIMS = {
+    "convert_hf": "titan-recur-convert",
+    "export_hf": "titan-recur-export",
+    "flops": "titan-recur-flops",
+    "prepare_data": "titan-recur-prepare-data",
+    "analyze_layers": "titan-recur-analyze-layers",
+    "compare": "titan-recur-compare",
+}
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
@@ -118,12 +140,20 @@ def test_the_install_finds_its_configs_and_tasks(installed, tmp_path):
     yaml, and pip wrote every console script (tools/check_wheel.sh runs each one from a fresh venv)."""
     assert {p.name for p in (installed / "bin").iterdir()} == set(SCRIPTS)
     where = subprocess.run(
-        [sys.executable, "-c", "import titan_recur; from titan_recur.config import load_config; "
-         "from titan_recur.utils.resources import find_config, project_folder; "
-         "cfg = load_config(find_config('train_configs/tinyllama_cc_math.toml')); "
-         "print(titan_recur.__file__, project_folder('tasks'), cfg.training.steps, cfg.model.preset, "
-         "cfg.recurrence.curriculum)"],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(installed)}, capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-c",
+            "import titan_recur; from titan_recur.config import load_config; "
+            "from titan_recur.utils.resources import find_config, project_folder; "
+            "cfg = load_config(find_config('train_configs/tinyllama_cc_math.toml')); "
+            "print(titan_recur.__file__, project_folder('tasks'), cfg.training.steps, cfg.model.preset, "
+            "cfg.recurrence.curriculum)",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(installed)},
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     package = installed / "titan_recur"
     assert where == [str(package / "__init__.py"), str(package / "tasks"), "50000", "tinyllama-1.1b", "1-sqrt"]

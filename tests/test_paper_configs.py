@@ -27,10 +27,16 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from titan_recur.config import Recurrence, config_from_dict, config_to_dict, load_config, parse_args
-from titan_recur.training.cost_model import TrainingRun, block_params, paper_flops_per_token, param_counts, training_flops_per_token
 from titan_recur.models.args import PRESETS, ModelArgs
-from titan_recur.storage.model_io import resolve_model_args, write_model_args
 from titan_recur.models.model import RecurrentLM
+from titan_recur.storage.model_io import resolve_model_args, write_model_args
+from titan_recur.training.cost_model import (
+    TrainingRun,
+    block_params,
+    paper_flops_per_token,
+    param_counts,
+    training_flops_per_token,
+)
 from titan_recur.training.optim import Muon, build_optimizers
 from titan_recur.training.recurrence import RecurrenceSchedule
 
@@ -113,8 +119,16 @@ TINYLLAMA_STATIC_PAPER_FLOPS = 3.05e20
 
 def preset_overrides(name: str) -> list[str]:
     preset, shape = PAPER[name]
-    return ["--model.path", "none", "--model.preset", preset, "--model.shape", ",".join(map(str, shape)),
-            "--model.init", "random"]
+    return [
+        "--model.path",
+        "none",
+        "--model.preset",
+        preset,
+        "--model.shape",
+        ",".join(map(str, shape)),
+        "--model.init",
+        "random",
+    ]
 
 
 def load(name: str, *overrides: str):
@@ -158,7 +172,10 @@ def test_paper_hyperparameters(name):
     assert t.global_batch_size % (t.local_batch_size * 64) == 0  # 64 GPUs: no gradient accumulation
     assert t.max_norm == 1.0
     assert (t.mixed_precision_param, t.mixed_precision_reduce, t.mixed_precision_mode) == (
-        "bfloat16", "float32", "fsdp")
+        "bfloat16",
+        "float32",
+        "fsdp",
+    )
     assert t.compile and t.ac_mode == "per_iteration"
     assert (o.name, o.lr, o.momentum, o.nesterov, o.ns_steps, o.weight_decay) == ("muon", 1e-3, 0.95, True, 5, 1e-4)
     assert (o.adamw_lr, o.adamw_betas, o.adamw_eps, o.adamw_weight_decay) == (5e-5, (0.9, 0.95), 1e-10, 1e-4)
@@ -172,7 +189,13 @@ def test_recurrence_schedule(name):
     r = load(name).recurrence
     assert (r.curriculum, r.warmup_fraction, r.mean_recurrence) == RECIPES[_family(name)][3]
     assert (r.backprop_depth, r.start, r.sigma, r.seed, r.mean_offset, r.backprop_curriculum) == (
-        8, 1, 0.5, 514229, True, False)
+        8,
+        1,
+        0.5,
+        514229,
+        True,
+        False,
+    )
 
 
 def test_cc_math_lr_factor_is_the_references():
@@ -240,8 +263,12 @@ def test_variants_differ_only_where_expected(base):
 FINEWEB = {"name": "fineweb-edu", "path": "HuggingFaceFW/fineweb-edu", "kind": "hf", "hf_config": "sample-350BT"}
 MIX = [
     FINEWEB,
-    {"name": "sft-general", "path": "nvidia/Nemotron-Pretraining-SFT-v1", "kind": "hf",
-     "hf_config": "Nemotron-SFT-General"},
+    {
+        "name": "sft-general",
+        "path": "nvidia/Nemotron-Pretraining-SFT-v1",
+        "kind": "hf",
+        "hf_config": "Nemotron-SFT-General",
+    },
     {"name": "sft-math", "path": "nvidia/Nemotron-Pretraining-SFT-v1", "kind": "hf", "hf_config": "Nemotron-SFT-MATH"},
 ]
 KEYS = ("name", "path", "kind", "hf_config")
@@ -258,8 +285,9 @@ def test_data(name):
     if family != "onerun":
         assert data["phases"] == []
         expected = {
-            "cc_math": [{"name": "nemotron-cc-math", "path": "nvidia/Nemotron-CC-Math-v1", "kind": "hf",
-                         "hf_config": "4plus"}],
+            "cc_math": [
+                {"name": "nemotron-cc-math", "path": "nvidia/Nemotron-CC-Math-v1", "kind": "hf", "hf_config": "4plus"}
+            ],
             "healing": [FINEWEB],
             "mixture": MIX,
         }[family]
@@ -316,8 +344,9 @@ def test_convert_commands_in_comment(name):
         assert load(name).model.path == f"outputs/{CHAINED[name]}/final_model"
         assert load(CHAINED[name]).job.dump_folder == f"./outputs/{CHAINED[name]}"
         return
-    commands = [check_convert_command(shlex.split(ln.lstrip("# ")), preset, shape, load(name).model.path)
-                for ln in lines]
+    commands = [
+        check_convert_command(shlex.split(ln.lstrip("# ")), preset, shape, load(name).model.path) for ln in lines
+    ]
     if name in STATIC:
         assert len(commands) == 1
         return
@@ -328,7 +357,8 @@ def test_convert_commands_in_comment(name):
 
 
 PAPER_RUNS = {n for n in PAPER if n.endswith("cc_math")} | {
-    n for n in PAPER if n.startswith("tinyllama") and _family(n) in ("healing", "mixture")}
+    n for n in PAPER if n.startswith("tinyllama") and _family(n) in ("healing", "mixture")
+}
 
 
 def test_config_headers_name_the_paper_figure():
@@ -413,7 +443,8 @@ def test_optimizers_built_from_the_config(name):
         matrices.add(id(model.core.adapter.weight))
     assert {id(p) for g in muon.param_groups for p in g["params"]} == matrices
     assert {id(p) for g in adamw.param_groups for p in g["params"]} == {
-        id(p) for p in model.parameters() if id(p) not in matrices}
+        id(p) for p in model.parameters() if id(p) not in matrices
+    }
     fused = [[id(p) for p in members] for members in muon.fuse_groups]
     if static:
         assert fused == []
@@ -421,8 +452,10 @@ def test_optimizers_built_from_the_config(name):
     expected = []
     for b in blocks:
         attn, mlp = b.self_attn, b.mlp
-        expected += [[id(attn.q_proj.weight), id(attn.k_proj.weight), id(attn.v_proj.weight)],
-                     [id(mlp.gate_proj.weight), id(mlp.up_proj.weight)]]
+        expected += [
+            [id(attn.q_proj.weight), id(attn.k_proj.weight), id(attn.v_proj.weight)],
+            [id(mlp.gate_proj.weight), id(mlp.up_proj.weight)],
+        ]
     assert fused == expected
 
 
@@ -514,10 +547,18 @@ def converted_standins(tmp_path_factory):
 
 def test_flops_cli_matched_static_steps(converted_standins):
     """`tools/flops.py --config tinyllama.toml --match tinyllama_static.toml`: the paper's numbers."""
-    argv = ["--config", "train_configs/tinyllama.toml", "--match", "train_configs/tinyllama_static.toml",
-            "--world-size", "64", "--json"]
-    result = subprocess.run([sys.executable, str(FLOPS_TOOL), *argv], cwd=converted_standins,
-                            capture_output=True, text=True, timeout=300)
+    argv = [
+        "--config",
+        "train_configs/tinyllama.toml",
+        "--match",
+        "train_configs/tinyllama_static.toml",
+        "--world-size",
+        "64",
+        "--json",
+    ]
+    result = subprocess.run(
+        [sys.executable, str(FLOPS_TOOL), *argv], cwd=converted_standins, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert (out["steps"], out["tokens_per_step"], out["micro_steps"]) == (50_000, TOKENS_PER_STEP, 1)
@@ -587,7 +628,7 @@ def train_argv(command: list[str]) -> tuple[str, list[str]]:
     assert rest[0] == "sbatch"
     script = next(i for i, token in enumerate(rest) if token.endswith(".sh"))
     assert all(token.startswith("-") for token in rest[1:script])
-    return rest[script], ["--config", str(REPO / env["CONFIG"]), *rest[script + 1:]]
+    return rest[script], ["--config", str(REPO / env["CONFIG"]), *rest[script + 1 :]]
 
 
 @pytest.fixture(scope="module")
@@ -619,7 +660,7 @@ def test_reproduce_the_paper_table(standin_sources, tmp_path, capsys):
     """
     rows = reproduce_table()
     configs = []
-    for run, convert, train, quoted in rows:
+    for _run, convert, train, quoted in rows:
         script, argv = train_argv(_command(train))
         assert (REPO / script).is_file()
         cfg = parse_args(argv)
@@ -656,10 +697,13 @@ def test_cluster_doc_points_sources_at_shards_from_the_command_line():
     text = CLUSTER_DOC.read_text().split("## 4. Prepare data", 1)[1].split("## 5.", 1)[0]
     block = text.split("point each source at its shards", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     argv = shlex.split(block.replace("\\\n", " "))
-    overrides = argv[argv.index("slurm/llama1b_retrofit.sh") + 1:]
+    overrides = argv[argv.index("slurm/llama1b_retrofit.sh") + 1 :]
     phases = load("llama3_2_1b", *overrides).data.phases
     assert [[(s.name, s.kind, s.path.split("/")[2]) for s in p.sources] for p in phases] == [
         [("fineweb-edu", "tokenized", "fineweb_edu_1024")],
-        [("fineweb-edu", "tokenized", "fineweb_edu_1024"), ("sft-general", "tokenized", "sft_general_1024"),
-         ("sft-math", "tokenized", "sft_math_1024")],
+        [
+            ("fineweb-edu", "tokenized", "fineweb_edu_1024"),
+            ("sft-general", "tokenized", "sft_general_1024"),
+            ("sft-math", "tokenized", "sft_math_1024"),
+        ],
     ]

@@ -24,8 +24,17 @@ DEBUG_CONFIG = str(REPO_ROOT / "train_configs" / "debug_model.toml")
 def tiny_model(shape: tuple[int, int, int], seed: int = 0) -> RecurrentLM:
     p, r, c = shape
     args = ModelArgs(
-        vocab_size=256, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
-        n_prelude=p, n_core=r, n_coda=c, adapter_init="random", state_init="zero",
+        vocab_size=256,
+        dim=64,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_dim=128,
+        n_prelude=p,
+        n_core=r,
+        n_coda=c,
+        adapter_init="random",
+        state_init="zero",
     )
     torch.manual_seed(seed)
     model = RecurrentLM(args)
@@ -75,7 +84,10 @@ def test_autocast_keeps_the_prelude_residual_in_fp32():
     model = tiny_model((2, 2, 2))
     ids = torch.randint(0, 256, (2, 16))
     assert residual_dtypes(model, ids, forward_autocast("cpu", "bfloat16", "autocast")) == {
-        "prelude": torch.float32, "core": torch.bfloat16, "coda": torch.bfloat16}
+        "prelude": torch.float32,
+        "core": torch.bfloat16,
+        "coda": torch.bfloat16,
+    }
     assert set(residual_dtypes(copy.deepcopy(model).bfloat16(), ids, torch.no_grad()).values()) == {torch.bfloat16}
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
@@ -102,15 +114,30 @@ def test_fp32_residual_stream_gives_closer_logits(seed):
 def test_trainer_forward_runs_in_the_configured_mode(tmp_path, mode):
     """The option reaches the training forward: autocast active (bf16 logits) over fp32 parameters."""
     overrides = [
-        "--job.dump_folder", str(tmp_path), "--training.steps", "1", "--training.mixed_precision_mode", mode,
-        "--checkpoint.enable", "false", "--checkpoint.export_final", "false", "--validation.enable", "false",
-        "--metrics.enable_tensorboard", "false", "--training.local_batch_size", "2",
-        "--training.loss_chunk_tokens", "0",  # the head runs as a module, so its hook sees the logits
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "1",
+        "--training.mixed_precision_mode",
+        mode,
+        "--checkpoint.enable",
+        "false",
+        "--checkpoint.export_final",
+        "false",
+        "--validation.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--training.local_batch_size",
+        "2",
+        "--training.loss_chunk_tokens",
+        "0",  # the head runs as a module, so its hook sees the logits
     ]
     trainer = Trainer(load_config(DEBUG_CONFIG, overrides))
     seen = []
     trainer.model.lm_head.register_forward_hook(
-        lambda m, i, o: seen.append((torch.is_autocast_enabled("cpu"), o.dtype, m.weight.dtype)))
+        lambda m, i, o: seen.append((torch.is_autocast_enabled("cpu"), o.dtype, m.weight.dtype))
+    )
     try:
         assert trainer.train() == 0
     finally:

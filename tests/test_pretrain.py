@@ -28,14 +28,31 @@ SEQ_LEN, BATCH, STEPS, LR = 32, 2, 3, 3e-3
 
 def scratch_args(dump: Path, data: str) -> list[str]:
     args = {
-        "job.dump_folder": str(dump), "model.init": "random", "model.dim": DIM, "model.n_layers": LAYERS,
-        "model.n_heads": HEADS, "model.n_kv_heads": KV_HEADS, "model.ffn_dim": FFN, "model.vocab_size": VOCAB,
-        "training.steps": STEPS, "training.local_batch_size": BATCH, "training.seq_len": SEQ_LEN,
-        "training.ac_mode": "none", "recurrence.mean_recurrence": 1, "recurrence.curriculum": "none",
-        "optimizer.name": "adamw", "optimizer.adamw_lr": LR, "optimizer.adamw_weight_decay": 0.1,
-        "optimizer.adamw_eps": 1e-8, "lr_scheduler.warmup_fraction": 0, "lr_scheduler.decay_fraction": 0,
-        "data.tokenizer": str(TOKENIZER), "data.sources.0.path": data, "data.sources.0.kind": "jsonl",
-        "metrics.enable_tensorboard": "false", "checkpoint.enable": "false",
+        "job.dump_folder": str(dump),
+        "model.init": "random",
+        "model.dim": DIM,
+        "model.n_layers": LAYERS,
+        "model.n_heads": HEADS,
+        "model.n_kv_heads": KV_HEADS,
+        "model.ffn_dim": FFN,
+        "model.vocab_size": VOCAB,
+        "training.steps": STEPS,
+        "training.local_batch_size": BATCH,
+        "training.seq_len": SEQ_LEN,
+        "training.ac_mode": "none",
+        "recurrence.mean_recurrence": 1,
+        "recurrence.curriculum": "none",
+        "optimizer.name": "adamw",
+        "optimizer.adamw_lr": LR,
+        "optimizer.adamw_weight_decay": 0.1,
+        "optimizer.adamw_eps": 1e-8,
+        "lr_scheduler.warmup_fraction": 0,
+        "lr_scheduler.decay_fraction": 0,
+        "data.tokenizer": str(TOKENIZER),
+        "data.sources.0.path": data,
+        "data.sources.0.kind": "jsonl",
+        "metrics.enable_tensorboard": "false",
+        "checkpoint.enable": "false",
     }
     return [token for key, value in args.items() for token in (f"--{key}", str(value))]
 
@@ -71,9 +88,19 @@ def test_from_scratch_run_equals_a_plain_pytorch_loop(tmp_path):
     assert main(argv) == 0
 
     cfg = load_config(None, argv)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=4096,
-                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=DIM,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attention_bias=False,
+    )
     reference = LlamaForCausalLM(config)
     reference.load_state_dict({hf_name(k): v for k, v in initial_full_state(cfg, architecture_args(cfg.model)).items()})
     reference.train()
@@ -91,15 +118,20 @@ def test_from_scratch_run_equals_a_plain_pytorch_loop(tmp_path):
     # Float rounding in the forward (~1e-7) reaches the weights through Adam's division by sqrt(v): 1e-5 is
     # rounding next to the 3 x lr = 9e-3 that three steps move a weight.
     for name, tensor in trained.items():
-        torch.testing.assert_close(tensor, expected[hf_name(name)], rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            tensor, expected[hf_name(name)], rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
     initial = initial_full_state(cfg, architecture_args(cfg.model))
     moved = max((tensor - initial[name]).abs().max().item() for name, tensor in trained.items())
     assert moved > 100 * 1e-5  # three steps moved the weights far beyond the tolerance
 
     # The run's final model exports as an ordinary HF Llama folder that loads without titan_recur.
     hf_folder = tmp_path / "hf"
-    subprocess.run([sys.executable, str(REPO / "tools" / "export_hf.py"), str(tmp_path / "run" / "final_model"),
-                    str(hf_folder)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(REPO / "tools" / "export_hf.py"), str(tmp_path / "run" / "final_model"), str(hf_folder)],
+        check=True,
+        capture_output=True,
+    )
     assert json.loads((hf_folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     loaded = LlamaForCausalLM.from_pretrained(hf_folder).eval()
     probe = hand_batches(docs)[0][0]

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_recur.convert.surgery import convert, plan_layers, read_source
 from titan_recur.eval.sweep import loss_sweep
 from titan_recur.hf.export import export_hf
 from titan_recur.storage.model_io import load_model
 from titan_recur.utils.progress import progress
-from titan_recur.convert.surgery import convert, plan_layers, read_source
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 

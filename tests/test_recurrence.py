@@ -73,7 +73,7 @@ def test_one_minus_sqrt_curriculum_exact_values():
 def test_one_minus_sqrt_curriculum_is_monotone_and_ends_at_max():
     c = Curriculum("1-sqrt", max_value=32, total_steps=50_000, warmup_fraction=0.75)
     values = [c.value(step) for step in range(0, 37_600, 7)]
-    assert all(a <= b for a, b in zip(values, values[1:]))
+    assert all(a <= b for a, b in zip(values, values[1:], strict=False))
     assert values[0] == 1 and values[-1] == 32
 
 
@@ -169,6 +169,7 @@ def test_mean_offset_false_at_mean_one_is_deterministic():
 
 
 # ---------------------------------------------------------------- sampler distribution
+
 
 # Standard errors at N = 20,000 (sigma = 0.5), from the exact moments (_fourth_central_moment):
 #   mean:     sqrt(Var[p] / N) / E[p]         ~ 0.4% for every r here -> 2% is > 4.5 SE, safe.

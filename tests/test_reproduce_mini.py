@@ -36,8 +36,22 @@ def test_permutations_generate_a8(depth_task) -> None:
 
 
 def test_perm_splits_answers_and_lengths(depth_task, tmp_path: Path) -> None:
-    argv = ["--out", str(tmp_path), "--train-lengths", "2-5", "--eval-lengths", "3-4", "--train-examples", "400",
-            "--eval-examples", "6", "--seed", "7", "--perm-seed", "3"]
+    argv = [
+        "--out",
+        str(tmp_path),
+        "--train-lengths",
+        "2-5",
+        "--eval-lengths",
+        "3-4",
+        "--train-examples",
+        "400",
+        "--eval-examples",
+        "6",
+        "--seed",
+        "7",
+        "--perm-seed",
+        "3",
+    ]
     assert depth_task.main(argv) == 0
     params = json.loads((tmp_path / "task.json").read_text())
     perms = np.array(params["permutations"])
@@ -71,16 +85,32 @@ def test_perm_splits_answers_and_lengths(depth_task, tmp_path: Path) -> None:
 
 
 def test_mod10_task_stays_available(depth_task, tmp_path: Path) -> None:
-    assert depth_task.main(["--task", "mod10", "--out", str(tmp_path), "--max-steps", "3", "--train-examples", "50",
-                            "--eval-examples", "4"]) == 0
+    assert (
+        depth_task.main(
+            [
+                "--task",
+                "mod10",
+                "--out",
+                str(tmp_path),
+                "--max-steps",
+                "3",
+                "--train-examples",
+                "50",
+                "--eval-examples",
+                "4",
+            ]
+        )
+        == 0
+    )
     for row in read_jsonl(tmp_path / "eval_5.jsonl"):
         expression = row["prompt"].removeprefix("Question: ").split(" (mod 10)")[0]
         assert row["answer"] == str(eval(expression) % 10) and row["length"] == 5  # noqa: S307 (digits, +/- only)
     assert (tmp_path / "mod10_6.yaml").is_file() and not (tmp_path / "eval_7.jsonl").exists()
 
 
-@pytest.mark.parametrize("argv", [["--train-examples", "0"], ["--train-lengths", "5-2"], ["--eval-lengths", "x"],
-                                  ["--task", "other"]])
+@pytest.mark.parametrize(
+    "argv", [["--train-examples", "0"], ["--train-lengths", "5-2"], ["--eval-lengths", "x"], ["--task", "other"]]
+)
 def test_bad_arguments_exit_2(depth_task, tmp_path: Path, capsys: pytest.CaptureFixture, argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         depth_task.main(["--out", str(tmp_path / "task"), *argv])

@@ -15,11 +15,17 @@ from titan_recur.models.model import RecurrentLM
 from titan_recur.models.rope import apply_rope, rope_cos_sin, rope_inverse_frequencies
 
 LLAMA32 = {
-    "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
 LLAMA31 = {
-    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
 
@@ -30,8 +36,12 @@ def hf_config(head_dim: int, theta: float, scaling: dict | None) -> LlamaConfig:
     if scaling and "type" in scaling:
         params["rope_type"] = scaling["type"]
     return LlamaConfig(
-        hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=4, head_dim=head_dim,
-        max_position_embeddings=131072, rope_parameters=params,
+        hidden_size=4 * head_dim,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=head_dim,
+        max_position_embeddings=131072,
+        rope_parameters=params,
     )
 
 
@@ -87,8 +97,16 @@ def test_unknown_rope_type_raises(rope_type):
     with pytest.raises(ValueError, match=rope_type):
         rope_inverse_frequencies(64, 10000.0, scaling)
     args = ModelArgs(
-        vocab_size=11, dim=16, n_heads=2, n_kv_heads=1, head_dim=8, ffn_dim=24,
-        n_prelude=1, n_core=1, n_coda=1, rope_scaling=scaling,
+        vocab_size=11,
+        dim=16,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=8,
+        ffn_dim=24,
+        n_prelude=1,
+        n_core=1,
+        n_coda=1,
+        rope_scaling=scaling,
     )
     with pytest.raises(ValueError, match=rope_type):
         RecurrentLM(args)
@@ -98,7 +116,9 @@ def test_preset_llama32_rope_is_llama3_scaled():
     args = PRESETS["llama3.2-1b"].model_args(4, 6, 4)
     torch.testing.assert_close(
         rope_inverse_frequencies(args.head_dim, args.rope_theta, args.rope_scaling),
-        hf_inv_freq(64, 500000.0, LLAMA32), atol=0, rtol=1e-6,
+        hf_inv_freq(64, 500000.0, LLAMA32),
+        atol=0,
+        rtol=1e-6,
     )
 
 
@@ -115,7 +135,7 @@ def test_rotation_matches_transformers(scaling):
     torch.testing.assert_close(sin, hf_sin, atol=1e-5, rtol=0)
     ours = apply_rope(q, k, cos, sin)
     theirs = apply_rotary_pos_emb(q, k, hf_cos, hf_sin)
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=False):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     # a rotation: norms of each pair are kept
     torch.testing.assert_close(ours[0].norm(dim=-1), q.norm(dim=-1), atol=1e-5, rtol=1e-5)

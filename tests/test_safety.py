@@ -38,10 +38,10 @@ from tests.test_checkpoint import (
     write_config,
 )
 from tests.test_train_distributed import make_model_dir
-from titan_recur.storage.checkpoint import scan_checkpoints, verify_checkpoint
 from titan_recur.config import ConfigError, load_config
-from titan_recur.storage.model_io import read_model_args, write_model_args
+from titan_recur.storage.checkpoint import scan_checkpoints, verify_checkpoint
 from titan_recur.storage.manifest import MANIFEST_NAME, IntegrityError
+from titan_recur.storage.model_io import read_model_args, write_model_args
 from titan_recur.training.trainer import EXIT_BAD_INPUT, EXIT_IO_FAILURE, EXIT_NONFINITE
 from titan_recur.training.watchdog import EXIT_STALLED
 
@@ -72,7 +72,7 @@ def one_source_config(root: Path, model: Path) -> Path:
 
 
 def data_config(root: Path, model: Path, name: str, source: str) -> Path:
-    return write_config(root / f"{name}.toml", model, f"[[data.sources]]\nname = \"{name}\"\n{source}")
+    return write_config(root / f"{name}.toml", model, f'[[data.sources]]\nname = "{name}"\n{source}')
 
 
 def bad_data_configs(root: Path, model: Path) -> dict[str, Path]:
@@ -92,8 +92,9 @@ def bad_data_configs(root: Path, model: Path) -> dict[str, Path]:
         "blank": data_config(root, model, "blank", f'path = "{files / "blank.jsonl"}"\nkind = "jsonl"\n'),
         "non_string": data_config(root, model, "non_string", f'path = "{files / "numbers.jsonl"}"\nkind = "jsonl"\n'),
         "token_ids": data_config(root, model, "token_ids", f'path = "{files / "ids.parquet"}"\nkind = "tokenized"\n'),
-        "late_ids": data_config(root, model, "late_ids",
-                                f'path = "{files / "late_ids.parquet"}"\nkind = "tokenized"\n'),
+        "late_ids": data_config(
+            root, model, "late_ids", f'path = "{files / "late_ids.parquet"}"\nkind = "tokenized"\n'
+        ),
         "hub": data_config(root, model, "hub", 'path = "no-such-owner/no-such-dataset"\nkind = "hf"\n'),
     }
 
@@ -102,8 +103,9 @@ def bad_data_configs(root: Path, model: Path) -> dict[str, Path]:
 def tmpfs(folder: Path):
     """A small real tmpfs (the tests run as root, here and in CI) to fill up."""
     folder.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES}", "tmpfs", str(folder)],
-                           capture_output=True, text=True)
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES}", "tmpfs", str(folder)], capture_output=True, text=True
+    )
     if mount.returncode != 0:
         pytest.fail(f"the disk-full tests need to mount a tmpfs (run as root): {mount.stderr.strip()}")
     try:
@@ -117,16 +119,29 @@ def runs(model, tmp_path_factory) -> dict:
     """Every single-process scenario, in order, in one worker: name -> result, plus the paths."""
     root = tmp_path_factory.mktemp("safety")
     config = write_config(root / "run.toml", model, CORPUS_DATA)
-    run = ["--config", str(config), "--training.steps", "8", "--training.global_batch_size", "4",
-           "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
-    d = {name: root / name for name in ("base", "rewind", "allowed", "flip", "truncated", "spike", "spike_skip",
-                                        "bad", "late_ids")}
+    run = [
+        "--config",
+        str(config),
+        "--training.steps",
+        "8",
+        "--training.global_batch_size",
+        "4",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+    ]
+    d = {
+        name: root / name
+        for name in ("base", "rewind", "allowed", "flip", "truncated", "spike", "spike_skip", "bad", "late_ids")
+    }
     d["bad"].mkdir()
     (d["bad"] / "a_file").write_text("not a folder")
     tokenizer = root / "other_tokenizer"
     shutil.copytree(REPO_ROOT / "assets" / "tokenizer", tokenizer)
     (tokenizer / "tokenizer_config.json").write_text(
-        (tokenizer / "tokenizer_config.json").read_text().replace("{", '{"model_max_length": 77, ', 1))
+        (tokenizer / "tokenizer_config.json").read_text().replace("{", '{"model_max_length": 77, ', 1)
+    )
     other_model = root / "other_model"
     shutil.copytree(model, other_model)
     write_model_args(dataclasses.replace(read_model_args(model), rope_theta=20000.0), other_model)
@@ -142,16 +157,34 @@ def runs(model, tmp_path_factory) -> dict:
     def bad(name: str, *extra: str, config_file: Path = config) -> dict:
         return {"argv": on(d["bad"] / name, *extra, config_file=config_file), "watch": str(d["bad"])}
 
-    spike = ["--training.loss_spike_factor", "3", "--training.loss_spike_window", "3",
-             "--debug.inject_spike_at_step", "6"]
+    spike = [
+        "--training.loss_spike_factor",
+        "3",
+        "--training.loss_spike_window",
+        "3",
+        "--debug.inject_spike_at_step",
+        "6",
+    ]
     jobs = {
         "base": {"argv": on(d["base"]), "watch": str(base_ckpt)},
         # Rewind to step 2 with keep_latest_k 1 and stop at step 5 (as a kill there would), then rerun.
-        "rewind": {"argv": on(d["rewind"], "--checkpoint.load_step", "2", "--checkpoint.keep_latest_k", "1",
-                              "--debug.inject_nan_at_step", "5"),
-                   "copy": [str(d["base"]), str(d["rewind"])], "watch": str(d["rewind"] / "checkpoints")},
-        "rewind_rerun": {"argv": on(d["rewind"], "--checkpoint.keep_latest_k", "1"),
-                         "watch": str(d["rewind"] / "checkpoints")},
+        "rewind": {
+            "argv": on(
+                d["rewind"],
+                "--checkpoint.load_step",
+                "2",
+                "--checkpoint.keep_latest_k",
+                "1",
+                "--debug.inject_nan_at_step",
+                "5",
+            ),
+            "copy": [str(d["base"]), str(d["rewind"])],
+            "watch": str(d["rewind"] / "checkpoints"),
+        },
+        "rewind_rerun": {
+            "argv": on(d["rewind"], "--checkpoint.keep_latest_k", "1"),
+            "watch": str(d["rewind"] / "checkpoints"),
+        },
         "fp_steps": refused("--training.steps", "12"),
         "fp_seq_len": refused("--training.seq_len", "32"),
         "fp_tokenizer": refused("--data.tokenizer", str(tokenizer)),
@@ -161,15 +194,23 @@ def runs(model, tmp_path_factory) -> dict:
         "fp_global_batch": refused("--training.global_batch_size", "none"),
         "fp_model": refused("--model.path", str(other_model)),
         "fp_optimizer": refused("--optimizer.lr", "0.02"),
-        "fp_allowed": {"argv": on(d["allowed"], "--training.steps", "12", "--checkpoint.allow_changes", "steps"),
-                       "copy": [str(d["base"]), str(d["allowed"])]},
-        "flip": {"argv": on(d["flip"]), "copy": [str(d["base"]), str(d["flip"])],
-                 "flip_byte": str(d["flip"] / "checkpoints" / "step-8" / "__0_0.distcp"),
-                 "watch": str(d["flip"] / "checkpoints")},
+        "fp_allowed": {
+            "argv": on(d["allowed"], "--training.steps", "12", "--checkpoint.allow_changes", "steps"),
+            "copy": [str(d["base"]), str(d["allowed"])],
+        },
+        "flip": {
+            "argv": on(d["flip"]),
+            "copy": [str(d["base"]), str(d["flip"])],
+            "flip_byte": str(d["flip"] / "checkpoints" / "step-8" / "__0_0.distcp"),
+            "watch": str(d["flip"] / "checkpoints"),
+        },
         "flip_fallback": {"argv": on(d["flip"], "--checkpoint.fallback_on_corruption", "true")},
-        "truncated": {"argv": on(d["truncated"]), "copy": [str(d["base"]), str(d["truncated"])],
-                      "truncate": str(d["truncated"] / "checkpoints" / "step-8" / "__0_0.distcp"),
-                      "watch": str(d["truncated"] / "checkpoints")},
+        "truncated": {
+            "argv": on(d["truncated"]),
+            "copy": [str(d["base"]), str(d["truncated"])],
+            "truncate": str(d["truncated"] / "checkpoints" / "step-8" / "__0_0.distcp"),
+            "watch": str(d["truncated"] / "checkpoints"),
+        },
         "spike_stop": {"argv": on(d["spike"], *spike)},
         "spike_skip": {"argv": on(d["spike_skip"], *spike, "--training.skip_nonfinite", "true")},
         "seq_len_max": bad("seq_len_max", "--training.seq_len", "100000"),
@@ -178,25 +219,46 @@ def runs(model, tmp_path_factory) -> dict:
         "dump_is_file": {"argv": on(d["bad"] / "a_file"), "watch": str(d["bad"])},
         "no_validation": bad("no_validation", "--validation.enable", "true", "--data.validation_fraction", "1e-6"),
         **{name: bad(name, config_file=path) for name, path in bad_data.items() if name != "late_ids"},
-        "load_step_tensorboard": {"argv": on(d["base"], "--checkpoint.load_step", "5",
-                                             "--metrics.enable_tensorboard", "true"), "watch": str(d["base"])},
+        "load_step_tensorboard": {
+            "argv": on(d["base"], "--checkpoint.load_step", "5", "--metrics.enable_tensorboard", "true"),
+            "watch": str(d["base"]),
+        },
         "late_ids": {"argv": on(d["late_ids"], config_file=bad_data["late_ids"])},
-        "full_sync": {"argv": on(disk / "sync"),
-                      "fill": {"file": str(disk / "filler"), "leave_like": str(base_ckpt / "step-2"), "factor": 1.5}},
-        "full_rerun": {"argv": on(disk / "sync", "--metrics.enable_tensorboard", "true"),
-                       "fill": {"file": str(disk / "filler_rest")}, "watch": str(disk / "sync")},
-        "full_async": {"argv": on(disk / "async", "--checkpoint.async_mode", "async"),
-                       "unlink": [str(disk / "filler"), str(disk / "filler_rest")],
-                       "fill": {"file": str(disk / "filler"), "leave_like": str(base_ckpt / "step-2"), "factor": 1.5}},
+        "full_sync": {
+            "argv": on(disk / "sync"),
+            "fill": {"file": str(disk / "filler"), "leave_like": str(base_ckpt / "step-2"), "factor": 1.5},
+        },
+        "full_rerun": {
+            "argv": on(disk / "sync", "--metrics.enable_tensorboard", "true"),
+            "fill": {"file": str(disk / "filler_rest")},
+            "watch": str(disk / "sync"),
+        },
+        "full_async": {
+            "argv": on(disk / "async", "--checkpoint.async_mode", "async"),
+            "unlink": [str(disk / "filler"), str(disk / "filler_rest")],
+            "fill": {"file": str(disk / "filler"), "leave_like": str(base_ckpt / "step-2"), "factor": 1.5},
+        },
     }
     with tmpfs(disk):
         results = run_single_jobs(list(jobs.values()), root)
-        checks = {name: [verify_checkpoint(disk / name / "checkpoints" / f"step-{s}") is not None
-                         for s in scan_checkpoints(disk / name / "checkpoints").complete] for name in ("sync", "async")}
-        leftovers = {name: sorted(p.name for p in (disk / name / "checkpoints").iterdir())
-                     for name in ("sync", "async")}
-        yield {"results": dict(zip(jobs, results)), "dirs": d, "root": root, "disk_checks": checks,
-               "disk_leftovers": leftovers, "disk": disk}
+        checks = {
+            name: [
+                verify_checkpoint(disk / name / "checkpoints" / f"step-{s}") is not None
+                for s in scan_checkpoints(disk / name / "checkpoints").complete
+            ]
+            for name in ("sync", "async")
+        }
+        leftovers = {
+            name: sorted(p.name for p in (disk / name / "checkpoints").iterdir()) for name in ("sync", "async")
+        }
+        yield {
+            "results": dict(zip(jobs, results, strict=False)),
+            "dirs": d,
+            "root": root,
+            "disk_checks": checks,
+            "disk_leftovers": leftovers,
+            "disk": disk,
+        }
 
 
 def ok(result: dict) -> None:
@@ -234,7 +296,8 @@ def test_rewind_keeps_both_branches_and_resumes_the_new_one(runs):
     ok(rerun)
     assert resumed_step(rerun["stdout"]) == 4 and "the latest complete checkpoint" in rerun["stdout"]
     assert {k: v for k, v in rerun["after"].items() if k.startswith("abandoned/")} == {
-        k: v for k, v in after.items() if k.startswith("abandoned/")}
+        k: v for k, v in after.items() if k.startswith("abandoned/")
+    }
     checkpoints = d["rewind"] / "checkpoints"
     assert scan_checkpoints(checkpoints).complete == [8]
     assert manifest(checkpoints / "step-8")["parent"] == 6
@@ -282,8 +345,10 @@ def test_an_allowed_change_resumes(runs):
 
 def test_allow_changes_accepts_only_the_safe_fields():
     with pytest.raises(ConfigError, match="checkpoint.allow_changes expects list"):
-        load_config(None, ["--model.preset", "tinyllama-1.1b", "--model.init", "random",
-                           "--checkpoint.allow_changes", "steps,model"])
+        load_config(
+            None,
+            ["--model.preset", "tinyllama-1.1b", "--model.init", "random", "--checkpoint.allow_changes", "steps,model"],
+        )
 
 
 # ---------------------------------------------------------------------------------------- integrity
@@ -453,17 +518,21 @@ def test_flops_and_eval_bound_their_inputs(runs, tmp_path, capsys):
 
     flops_tool = load_tool("flops")
 
-    for argv, message in ((["--at-step", "999999999"], "--at-step must be in [0, 50000]"),
-                          (["--steps", "999999999"], "steps must be in [1, 1,000,000]"),
-                          (["--world-size", "0"], "--world-size must be >= 1, got 0")):
+    for argv, message in (
+        (["--at-step", "999999999"], "--at-step must be in [0, 50000]"),
+        (["--steps", "999999999"], "steps must be in [1, 1,000,000]"),
+        (["--world-size", "0"], "--world-size must be >= 1, got 0"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             flops_tool.main(["--preset", "tinyllama-1.1b", *argv])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
     final = str(runs["dirs"]["base"] / "final_model")
     (tmp_path / "a_file").write_text("")
     loss = ["loss", "--checkpoint", final, "--data", str(CORPUS / "general.jsonl")]
-    for extra, message in ((["--seq-len", "0", "--out", str(tmp_path / "out")], "--seq-len must be >= 1, got 0"),
-                           (["--out", str(tmp_path / "a_file")], "a_file exists and is not a folder")):
+    for extra, message in (
+        (["--seq-len", "0", "--out", str(tmp_path / "out")], "--seq-len must be >= 1, got 0"),
+        (["--out", str(tmp_path / "a_file")], "a_file exists and is not a folder"),
+    ):
         assert eval_main([*loss, *extra]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.splitlines()) == 1, err
@@ -472,9 +541,11 @@ def test_flops_and_eval_bound_their_inputs(runs, tmp_path, capsys):
 
 def test_config_checks_the_new_bounds():
     base = ["--model.preset", "tinyllama-1.1b", "--model.init", "random"]
-    for override, message in ((["--training.loss_spike_factor", "0.5"], "loss_spike_factor must be 0 (off) or > 1"),
-                              (["--parallel.timeout_s", "0"], "parallel.timeout_s must be > 0"),
-                              (["--training.step_timeout_s", "-1"], "training.step_timeout_s must be >= 0")):
+    for override, message in (
+        (["--training.loss_spike_factor", "0.5"], "loss_spike_factor must be 0 (off) or > 1"),
+        (["--parallel.timeout_s", "0"], "parallel.timeout_s must be > 0"),
+        (["--training.step_timeout_s", "-1"], "training.step_timeout_s must be >= 0"),
+    ):
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             load_config(None, [*base, *override])
 
@@ -491,20 +562,53 @@ def forked(model, tmp_path_factory) -> dict:
     config = write_config(root / "run.toml", model, CORPUS_DATA)
     steps, kills = 22, 7
     seed = int(os.environ.get("TITAN_RECUR_KILL_SEED", "20261202"))
-    stall = ["--config", str(config), "--training.steps", "500", "--checkpoint.interval", "1000",
-             "--checkpoint.export_final", "false"]
-    spec = {"argv": ["--config", str(config), "--training.steps", str(steps), "--checkpoint.interval", "1",
-                     "--checkpoint.keep_latest_k", "3"],
-            "root": str(root), "world": 2, "kills": kills, "seed": seed, "steps": steps,
-            "modes": ["disabled", "async"],
-            "stalls": {"watchdog": {"argv": [*stall, "--training.step_timeout_s", "{timeout}",
-                                             "--parallel.timeout_s", "300"], "after_step": 3},
-                       "collective": {"argv": [*stall, "--training.step_timeout_s", "0",
-                                               "--parallel.timeout_s", "{timeout}"], "after_step": 3}}}
+    stall = [
+        "--config",
+        str(config),
+        "--training.steps",
+        "500",
+        "--checkpoint.interval",
+        "1000",
+        "--checkpoint.export_final",
+        "false",
+    ]
+    spec = {
+        "argv": [
+            "--config",
+            str(config),
+            "--training.steps",
+            str(steps),
+            "--checkpoint.interval",
+            "1",
+            "--checkpoint.keep_latest_k",
+            "3",
+        ],
+        "root": str(root),
+        "world": 2,
+        "kills": kills,
+        "seed": seed,
+        "steps": steps,
+        "modes": ["disabled", "async"],
+        "stalls": {
+            "watchdog": {
+                "argv": [*stall, "--training.step_timeout_s", "{timeout}", "--parallel.timeout_s", "300"],
+                "after_step": 3,
+            },
+            "collective": {
+                "argv": [*stall, "--training.step_timeout_s", "0", "--parallel.timeout_s", "{timeout}"],
+                "after_step": 3,
+            },
+        },
+    }
     (root / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "kill_save_worker.py"), str(root / "spec.json"),
-                           str(root / "result.json")], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=3 * LAUNCH_TIMEOUT)
+    proc = subprocess.run(
+        [sys.executable, str(WORKERS_DIR / "kill_save_worker.py"), str(root / "spec.json"), str(root / "result.json")],
+        cwd=REPO_ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=3 * LAUNCH_TIMEOUT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"spec": spec, **json.loads((root / "result.json").read_text())}
 
@@ -551,6 +655,7 @@ def test_kill9_inside_sync_and_async_saves_resumes_bit_identically(forked):
         assert {r["step"] for r in records} == set(range(1, steps + 1)), note
         assert_logged_as_reference(records, ref, note)
         assert_same_final_model(dump, reference)
+
 
 def test_bench_checkpoint_prints_its_figures(tmp_path, capsys):
     load_tool("bench_checkpoint").main(["--megabytes", "8", "--repeats", "1", "--folder", str(tmp_path / "bench")])

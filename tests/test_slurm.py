@@ -40,8 +40,23 @@ NODE_LINE = re.compile(r"^\[launch\] node (\d+) (\S+): (.*)$")
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The current environment without Slurm/launcher variables, plus ``extra``."""
-    drop = ("SLURM_", "SBATCH_", "DRY_RUN", "CONFIG", "RUN_NAME", "REPO", "GPUS_PER_NODE", "RDZV_", "VENV",
-            "TORCHRUN", "SRUN_EXTRA_ARGS", "MAX_REQUEUES", "LAUNCH_", "PYTHON", "PREFLIGHT")
+    drop = (
+        "SLURM_",
+        "SBATCH_",
+        "DRY_RUN",
+        "CONFIG",
+        "RUN_NAME",
+        "REPO",
+        "GPUS_PER_NODE",
+        "RDZV_",
+        "VENV",
+        "TORCHRUN",
+        "SRUN_EXTRA_ARGS",
+        "MAX_REQUEUES",
+        "LAUNCH_",
+        "PYTHON",
+        "PREFLIGHT",
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(extra)
     return env
@@ -124,13 +139,18 @@ def test_dry_run_two_nodes(tmp_path, fake_python):
     nodes = [NODE_LINE.match(line) for line in out if NODE_LINE.match(line)]
     assert [(m[1], m[2]) for m in nodes] == [("0", "gpu001"), ("1", "gpu002")]
     expected_tail = [
-        "-m", "titan_recur.train", "--config", "train_configs/llama3_2_1b.toml",
-        "--job.dump_folder", "outputs/llama3_2_1b", *PASS_THROUGH,
+        "-m",
+        "titan_recur.train",
+        "--config",
+        "train_configs/llama3_2_1b.toml",
+        "--job.dump_folder",
+        "outputs/llama3_2_1b",
+        *PASS_THROUGH,
     ]
     for m in nodes:
         argv = shlex.split(m[3])
         assert argv[0] == "torchrun"
-        opts = dict(zip(argv[1:], argv[2:]))
+        opts = dict(zip(argv[1:], argv[2:], strict=False))
         assert opts["--nnodes"] == "2"
         assert opts["--nproc-per-node"] == "8"
         assert opts["--rdzv-backend"] == "c10d"
@@ -138,7 +158,7 @@ def test_dry_run_two_nodes(tmp_path, fake_python):
         assert opts["--rdzv-id"] == "12345"
         assert "SIGUSR1" in opts["--signals-to-handle"].split(",")
         assert "--node-rank" not in argv and "--node_rank" not in argv  # c10d assigns node ranks
-        assert argv[-len(expected_tail):] == expected_tail
+        assert argv[-len(expected_tail) :] == expected_tail
     # The srun line: one task per node, all nodes, the torchrun command after it.
     command = next(line for line in out if line.startswith("[launch] command: "))
     argv = shlex.split(command.removeprefix("[launch] command: "))
@@ -146,12 +166,12 @@ def test_dry_run_two_nodes(tmp_path, fake_python):
     srun_opts = argv[: argv.index("torchrun")]
     for opt in ("--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=64"):
         assert opt in srun_opts
-    assert shlex.join(argv[argv.index("torchrun"):]) == shlex.join(shlex.split(nodes[0][3]))
+    assert shlex.join(argv[argv.index("torchrun") :]) == shlex.join(shlex.split(nodes[0][3]))
     assert any("scontrol requeue 12345" in line and "42" in line for line in out)
     assert out[-1] == "[launch] dry run: nothing was started"
     # What the trainer receives is a valid command line for the config.
     trainer_args = shlex.split(nodes[0][3])
-    trainer_args = trainer_args[trainer_args.index("--config") + 2:]
+    trainer_args = trainer_args[trainer_args.index("--config") + 2 :]
     cfg = load_config(str(REPO / "train_configs/llama3_2_1b.toml"), trainer_args)
     assert cfg.training.steps == 100 and cfg.job.dump_folder == "outputs/llama3_2_1b"
 
@@ -166,17 +186,33 @@ def test_dry_run_defaults_without_slurm(tmp_path, fake_python):
     argv = shlex.split(nodes[0][3])
     assert argv[argv.index("--nnodes") + 1] == "8"
     assert argv[argv.index("--rdzv-endpoint") + 1] == "node0:29600"
-    assert argv[-4:] == ["--config", "train_configs/llama3_2_1b_2_4_2.toml", "--job.dump_folder", "outputs/llama3_2_1b_2_4_2"]
+    assert argv[-4:] == [
+        "--config",
+        "train_configs/llama3_2_1b_2_4_2.toml",
+        "--job.dump_folder",
+        "outputs/llama3_2_1b_2_4_2",
+    ]
 
 
 def test_dry_run_runs_the_preflight_for_the_allocation(tmp_path, fake_python):
     """The trainer's --check on the head node, with the passed-through args and nodes x GPUs ranks."""
-    result = run_script(SLURM / "llama1b_retrofit.sh", ["--dry-run", *PASS_THROUGH], clean_env(**TWO_NODES, **fake_python),
-                        cwd=tmp_path)
+    result = run_script(
+        SLURM / "llama1b_retrofit.sh", ["--dry-run", *PASS_THROUGH], clean_env(**TWO_NODES, **fake_python), cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     argv = Path(fake_python["FAKE_CHECK_ARGS"]).read_text().splitlines()
-    assert argv == ["-m", "titan_recur.train", "--config", "train_configs/llama3_2_1b.toml", "--job.dump_folder",
-                    "outputs/llama3_2_1b", *PASS_THROUGH, "--check", "--world-size", "16"]
+    assert argv == [
+        "-m",
+        "titan_recur.train",
+        "--config",
+        "train_configs/llama3_2_1b.toml",
+        "--job.dump_folder",
+        "outputs/llama3_2_1b",
+        *PASS_THROUGH,
+        "--check",
+        "--world-size",
+        "16",
+    ]
     assert "[titan_recur] check passed" in result.stdout
 
 
@@ -192,8 +228,15 @@ def test_dry_run_fails_when_the_preflight_fails(tmp_path, fake_python):
 
 def test_dry_run_preflight_with_the_real_trainer(tmp_path):
     """The real check, on the debug config: a missing model folder fails the dry run in one line."""
-    env = clean_env(DRY_RUN="1", CONFIG="train_configs/debug_model.toml", SLURM_NNODES="1", GPUS_PER_NODE="2",
-                    PYTHON=sys.executable, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    env = clean_env(
+        DRY_RUN="1",
+        CONFIG="train_configs/debug_model.toml",
+        SLURM_NNODES="1",
+        GPUS_PER_NODE="2",
+        PYTHON=sys.executable,
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+    )
     result = run_script(SLURM / "launch.sh", ["--model.path", "no/such/model"], env, cwd=tmp_path, timeout=300)
     assert result.returncode == 2, result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
@@ -256,8 +299,13 @@ def fake_cluster(tmp_path):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = clean_env(
-        PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_DIR=str(fake), REPO=str(repo),
-        SLURM_JOB_ID="777", SLURM_JOB_NODELIST="n1,n2", SLURM_NNODES="2", SLURM_GPUS_ON_NODE="4",
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        FAKE_DIR=str(fake),
+        REPO=str(repo),
+        SLURM_JOB_ID="777",
+        SLURM_JOB_NODELIST="n1,n2",
+        SLURM_NNODES="2",
+        SLURM_GPUS_ON_NODE="4",
     )
     return repo, fake, env
 
@@ -270,12 +318,12 @@ def scontrol_calls(fake: Path) -> list[str]:
 @pytest.mark.parametrize(
     "srun_status, extra_env, expected_rc, requeued",
     [
-        (0, {}, 0, False),                                   # finished
-        (42, {}, 0, True),                                   # preempted: requeue
-        (1, {}, 1, False),                                   # crash: no requeue
-        (3, {}, 3, False),                                   # non-finite loss: no requeue
+        (0, {}, 0, False),  # finished
+        (42, {}, 0, True),  # preempted: requeue
+        (1, {}, 1, False),  # crash: no requeue
+        (3, {}, 3, False),  # non-finite loss: no requeue
         (42, {"SLURM_RESTART_COUNT": "5", "MAX_REQUEUES": "5"}, 42, False),  # requeue budget spent
-        (42, {"FAKE_SCONTROL_STATUS": "1"}, 42, True),       # requeue refused by Slurm
+        (42, {"FAKE_SCONTROL_STATUS": "1"}, 42, True),  # requeue refused by Slurm
     ],
 )
 def test_exit_status_and_requeue(fake_cluster, srun_status, extra_env, expected_rc, requeued):
@@ -288,8 +336,14 @@ def test_exit_status_and_requeue(fake_cluster, srun_status, extra_env, expected_
     assert args[: args.index("torchrun")] == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     assert args[args.index("--nproc-per-node") + 1] == "4"
     assert args[args.index("--rdzv-endpoint") + 1] == "n1:29500"
-    assert args[-6:] == ["--config", "train_configs/llama3_2_1b.toml", "--job.dump_folder", "outputs/llama3_2_1b",
-                         "--training.steps", "7"]
+    assert args[-6:] == [
+        "--config",
+        "train_configs/llama3_2_1b.toml",
+        "--job.dump_folder",
+        "outputs/llama3_2_1b",
+        "--training.steps",
+        "7",
+    ]
     assert (repo / "logs").is_dir() and (repo / "outputs/llama3_2_1b").is_dir()
 
 
@@ -304,8 +358,12 @@ def start_waiting_launch(repo, env: dict) -> subprocess.Popen:
     """The batch script with a fake srun that blocks until the test releases it."""
     env["FAKE_SRUN_MODE"] = "wait"
     return subprocess.Popen(
-        ["bash", str(repo / "slurm/llama1b_retrofit.sh")], env=env, cwd=repo, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        ["bash", str(repo / "slurm/llama1b_retrofit.sh")],
+        env=env,
+        cwd=repo,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 

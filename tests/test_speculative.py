@@ -18,8 +18,18 @@ VOCAB = 48
 @pytest.fixture(scope="module")
 def model() -> RecurrentLM:
     torch.manual_seed(0)
-    args = ModelArgs(vocab_size=VOCAB, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
-                     n_prelude=1, n_core=2, n_coda=1, max_seq_len=256)
+    args = ModelArgs(
+        vocab_size=VOCAB,
+        dim=64,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_dim=128,
+        n_prelude=1,
+        n_core=2,
+        n_coda=1,
+        max_seq_len=256,
+    )
     model = RecurrentLM(args)
     model.init_weights()
     with torch.no_grad():  # a random adapter (not the identity init, which ignores the state): depth matters
@@ -62,8 +72,9 @@ def test_sampled_speculation_has_the_target_depths_distribution(model):
     ids = prompts(batch=1, length=4).expand(8000, -1).contiguous()
 
     def marginals(seed: int, **options) -> torch.Tensor:
-        out = generate(model, ids, GenerationOptions(max_new_tokens=3, temperature=0.4, top_p=1.0, seed=seed,
-                                                     **options)).tokens
+        out = generate(
+            model, ids, GenerationOptions(max_new_tokens=3, temperature=0.4, top_p=1.0, seed=seed, **options)
+        ).tokens
         return torch.stack([torch.bincount(out[:, i], minlength=VOCAB).double() / len(out) for i in (1, 2)])
 
     def tv(a, b) -> float:
@@ -77,13 +88,16 @@ def test_sampled_speculation_has_the_target_depths_distribution(model):
     assert tv(draft_only, plain_a) > 2 * tv(speculative, plain_a), (tv(draft_only, plain_a), tv(speculative, plain_a))
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"num_steps": 8, "draft_steps": 1, "lookahead": 0}, "lookahead must be an integer >= 1"),
-    ({"num_steps": 8, "draft_steps": 8}, "draft_steps must be an integer in \\[1, num_steps - 1"),
-    ({"num_steps": 8, "draft_steps": 2, "kv_sharing": "latest"}, "draft_steps needs kv_sharing 'full'"),
-    ({"num_steps": 8, "draft_steps": 2, "exit_criterion": "kl"}, "does not combine with exit_criterion"),
-    ({"num_steps": 8, "draft_steps": 2, "state_init": "previous"}, "does not combine with state_init='previous'"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"num_steps": 8, "draft_steps": 1, "lookahead": 0}, "lookahead must be an integer >= 1"),
+        ({"num_steps": 8, "draft_steps": 8}, "draft_steps must be an integer in \\[1, num_steps - 1"),
+        ({"num_steps": 8, "draft_steps": 2, "kv_sharing": "latest"}, "draft_steps needs kv_sharing 'full'"),
+        ({"num_steps": 8, "draft_steps": 2, "exit_criterion": "kl"}, "does not combine with exit_criterion"),
+        ({"num_steps": 8, "draft_steps": 2, "state_init": "previous"}, "does not combine with state_init='previous'"),
+    ],
+)
 def test_bad_knobs_are_refused_in_one_line(model, options, message):
     with pytest.raises(ValueError, match=message):
         run(model, prompts(), **options)
@@ -109,8 +123,17 @@ def test_the_cli_decodes_speculatively_and_reports_acceptance(capsys):
 
     from titan_recur.cli.generate import main
 
-    common = ["--checkpoint", "assets/tiny_llama_recurrent", "--prompt", "The sum of", "--num-steps", "8",
-              "--max-new-tokens", "12", "--json"]
+    common = [
+        "--checkpoint",
+        "assets/tiny_llama_recurrent",
+        "--prompt",
+        "The sum of",
+        "--num-steps",
+        "8",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]
     assert main(common) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main([*common, "--draft-steps", "2", "--lookahead", "4"]) == 0

@@ -37,8 +37,18 @@ GRAD_STEPS = {"adamw": STEPS, "muon": 1}
 def make_model_dir(folder: Path, **overrides) -> Path:
     """A tiny converted model folder with the bundled tokenizer; zero state init keeps runs comparable."""
     args = ModelArgs(
-        vocab_size=512, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
-        n_prelude=1, n_core=2, n_coda=1, state_init="zero", adapter_init="random", **overrides,
+        vocab_size=512,
+        dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        ffn_dim=64,
+        n_prelude=1,
+        n_core=2,
+        n_coda=1,
+        state_init="zero",
+        adapter_init="random",
+        **overrides,
     )
     torch.manual_seed(0)
     model = RecurrentLM(args)
@@ -57,8 +67,12 @@ def model_dir(tmp_path_factory) -> Path:
 def run_single(args: list[str]) -> None:
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(
-        [sys.executable, WORKER, *args], cwd=REPO_ROOT, env={**__import__("os").environ, **env},
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, WORKER, *args],
+        cwd=REPO_ROOT,
+        env={**__import__("os").environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
@@ -73,7 +87,7 @@ def assert_runs_agree(single: dict, multi: dict, optimizer: str) -> None:
     grad_steps = GRAD_STEPS[optimizer]
     torch.testing.assert_close(torch.tensor(multi["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
     assert len(single["grads"]) == len(multi["grads"]) == STEPS
-    for step, (g1, g2) in enumerate(zip(single["grads"][:grad_steps], multi["grads"][:grad_steps])):
+    for step, (g1, g2) in enumerate(zip(single["grads"][:grad_steps], multi["grads"][:grad_steps], strict=False)):
         assert g1.keys() == g2.keys()
         for name in g1:
             torch.testing.assert_close(g2[name], g1[name], atol=1e-6, rtol=0, msg=f"grad {name} at step {step + 1}")
@@ -112,8 +126,9 @@ def test_one_optimizer_step_issues_the_same_collectives_for_every_depth(model_di
     """Per optimizer step, whatever (n, k): the core (one FSDP unit) is all-gathered once in forward and at
     most once more for backward, reduce-scattered once; the step's scalars take one all-reduce; and
     titan_recur's code reads one value back to the host (the reduced scalars)."""
-    args, out = worker_args(model_dir, tmp_path, "collectives", "--mode", "collectives", "--ac", "per_iteration",
-                            "--optimizer", "muon")
+    args, out = worker_args(
+        model_dir, tmp_path, "collectives", "--mode", "collectives", "--ac", "per_iteration", "--optimizer", "muon"
+    )
     run_torchrun([WORKER, *args], nproc=2)
     counts = json.loads(out.read_text())
     assert set(counts) == {"0,1", "3,1", "2,2", "15,1", "14,2"}

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from wandb.proto import wandb_internal_pb2 as wandb_pb2
 
 from tests.torchrun_util import REPO_ROOT
 from titan_recur.training.metrics import WANDB_ID_FILE
 from titan_recur.training.trainer import main
-from wandb.proto import wandb_internal_pb2 as wandb_pb2
 
 DEBUG_CONFIG = str(REPO_ROOT / "train_configs" / "debug_model.toml")
 BLOCK, CHUNK_HEADER = 32768, 7
@@ -68,11 +68,31 @@ def as_logged(line: dict) -> dict:
 
 def train(dump: Path, steps: int, *extra: str) -> None:
     """One trainer process's run, in this process (the W&B run is finished when it returns)."""
-    argv = [*extra,
-        "--config", DEBUG_CONFIG, "--job.dump_folder", str(dump),
-        "--training.steps", str(steps), "--checkpoint.interval", "2", "--metrics.log_freq", "1",
-        "--validation.interval", "2", "--validation.recurrences", "1,2", "--validation.steps", "1", "--checkpoint.export_final", "false",
-        "--metrics.enable_wandb", "--metrics.wandb_mode", "offline", "--metrics.wandb_tags", "ci,tiny",
+    argv = [
+        *extra,
+        "--config",
+        DEBUG_CONFIG,
+        "--job.dump_folder",
+        str(dump),
+        "--training.steps",
+        str(steps),
+        "--checkpoint.interval",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--validation.interval",
+        "2",
+        "--validation.recurrences",
+        "1,2",
+        "--validation.steps",
+        "1",
+        "--checkpoint.export_final",
+        "false",
+        "--metrics.enable_wandb",
+        "--metrics.wandb_mode",
+        "offline",
+        "--metrics.wandb_tags",
+        "ci,tiny",
     ]
     assert main(argv) == 0
 
@@ -83,8 +103,9 @@ def wandb_env(tmp_path: Path, monkeypatch) -> None:
     for key in [k for k in os.environ if k.startswith("WANDB_")]:
         monkeypatch.delenv(key)
     (tmp_path / "netrc").write_text("")
-    for key, value in dict(WANDB_CONFIG_DIR="wandb_config", WANDB_CACHE_DIR="wandb_cache",
-                           WANDB_DATA_DIR="wandb_data", NETRC="netrc").items():
+    for key, value in dict(
+        WANDB_CONFIG_DIR="wandb_config", WANDB_CACHE_DIR="wandb_cache", WANDB_DATA_DIR="wandb_data", NETRC="netrc"
+    ).items():
         monkeypatch.setenv(key, str(tmp_path / value))
 
 
@@ -99,7 +120,12 @@ def test_offline_run_matches_metrics_jsonl_and_resume_keeps_the_run(tmp_path, wa
     assert [rid for rid, _ in runs] == [run_id, run_id]  # the resumed process continued the same run
     for _, records in runs:
         (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
-        assert (run.run_id, run.project, run.display_name, list(run.tags)) == (run_id, "titan_recur", "run", ["ci", "tiny"])
+        assert (run.run_id, run.project, run.display_name, list(run.tags)) == (
+            run_id,
+            "titan_recur",
+            "run",
+            ["ci", "tiny"],
+        )
         config = {item.key: json.loads(item.value_json) for item in run.config.update}
         assert config["job"]["dump_folder"] == str(dump) and config["metrics"]["enable_wandb"] is True
 
@@ -126,8 +152,17 @@ def test_wandb_refusal_is_one_line(tmp_path, capsys, monkeypatch, wandb_env):
     """Online without credentials: W&B refuses at start-up, the trainer exits 2 with its reason."""
     monkeypatch.setenv("WANDB_MODE", "online")
     dump = tmp_path / "run"
-    code = main(["--config", DEBUG_CONFIG, "--job.dump_folder", str(dump), "--metrics.enable_wandb",
-                 "--checkpoint.export_final", "false"])
+    code = main(
+        [
+            "--config",
+            DEBUG_CONFIG,
+            "--job.dump_folder",
+            str(dump),
+            "--metrics.enable_wandb",
+            "--checkpoint.export_final",
+            "false",
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("error: metrics.enable_wandb: wandb.init failed: ") and "wandb login" in err

@@ -73,8 +73,7 @@ class Model:
 
     path: str | None = opt(
         None,
-        "Converted model folder written by tools/convert_hf.py (config.json + model.safetensors "
-        "+ tokenizer files).",
+        "Converted model folder written by tools/convert_hf.py (config.json + model.safetensors + tokenizer files).",
     )
     preset: str | None = opt(
         None,
@@ -95,7 +94,9 @@ class Model:
         "own; with n_layers, n_heads, ffn_dim and vocab_size. RoPE theta 10000, max_seq_len 4096, untied; "
         "BOS/EOS from the tokenizer. Its final model exports (tools/export_hf.py) as a plain HF Llama folder.",
     )
-    n_layers: int | None = opt(None, "From scratch: the number of blocks (model.shape splits them; default all static).")
+    n_layers: int | None = opt(
+        None, "From scratch: the number of blocks (model.shape splits them; default all static)."
+    )
     n_heads: int | None = opt(None, "From scratch: attention heads (head_dim = dim / n_heads).")
     n_kv_heads: int | None = opt(None, "From scratch: key/value heads (GQA); none = n_heads.")
     ffn_dim: int | None = opt(None, "From scratch: the SwiGLU hidden width.")
@@ -462,7 +463,7 @@ def _from_value(value: Any, tp: Any, source: str, path: tuple[str | int, ...]) -
     if origin is list and isinstance(value, (list, tuple)):
         return [_from_value(v, args[0], source, path + (i,)) for i, v in enumerate(value)]
     if origin is tuple and isinstance(value, (list, tuple)) and len(value) == len(args):
-        return tuple(_from_value(v, t, source, path + (i,)) for i, (v, t) in enumerate(zip(value, args)))
+        return tuple(_from_value(v, t, source, path + (i,)) for i, (v, t) in enumerate(zip(value, args, strict=False)))
     if origin is Literal and any(type(value) is type(a) and value == a for a in args):
         return value
     if inner is float and type(value) in (int, float):
@@ -498,11 +499,7 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 def _options() -> dict[str, Any]:
     """``"section.key"`` -> type, for every settable option."""
-    return {
-        f"{section}.{key}": tp
-        for section, cls in _hints(JobConfig).items()
-        for key, tp in _hints(cls).items()
-    }
+    return {f"{section}.{key}": tp for section, cls in _hints(JobConfig).items() for key, tp in _hints(cls).items()}
 
 
 def _from_text(text: str, tp: Any) -> Any:
@@ -517,7 +514,7 @@ def _from_text(text: str, tp: Any) -> Any:
         parts = text.split(",")
         if len(parts) != len(args):
             raise ValueError(text)
-        return tuple(_from_text(p.strip(), t) for p, t in zip(parts, args))
+        return tuple(_from_text(p.strip(), t) for p, t in zip(parts, args, strict=False))
     if origin is Literal:
         for a in args:
             if str(a) == text:
@@ -565,7 +562,7 @@ def _assign(cfg: JobConfig, name: str, value: Any) -> None:
     """Set option ``name`` (see _option_type); entry number len(array) appends a table of defaults."""
     parts = name.split(".")
     obj = getattr(cfg, parts[0])
-    for depth, (key, index) in enumerate(zip(parts[1::2], map(int, parts[2::2]))):
+    for depth, (key, index) in enumerate(zip(parts[1::2], map(int, parts[2::2]), strict=False)):
         entries = getattr(obj, key)
         if index > len(entries):
             array = ".".join(parts[: 2 * depth + 2])
@@ -662,7 +659,7 @@ def format_help(prog: str = "train") -> str:
         "number appends an entry).",
         "",
         "  --config FILE",
-        "      TOML job config (or a saved config.json). A file may start with extends = \"base.toml\" (or a",
+        '      TOML job config (or a saved config.json). A file may start with extends = "base.toml" (or a',
         "      list of files, relative to it): its tables merge over theirs, arrays replace theirs.",
         "  -h, --help",
         "      Show this help and exit.",
@@ -734,8 +731,11 @@ _ARCHITECTURE = ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size")
 def _validate_model(m: Model) -> None:
     if any(getattr(m, f) is not None for f in (*_ARCHITECTURE, "n_kv_heads")):
         return _validate_architecture(m)
-    _require(m.path or m.preset, "set model.path (a converted model folder), model.preset, or an architecture "
-             "to train from scratch (model.dim, n_layers, n_heads, ffn_dim, vocab_size)")
+    _require(
+        m.path or m.preset,
+        "set model.path (a converted model folder), model.preset, or an architecture "
+        "to train from scratch (model.dim, n_layers, n_heads, ffn_dim, vocab_size)",
+    )
     if not m.preset:
         _require(not m.shape, "model.shape only applies with model.preset")
         return
@@ -752,8 +752,11 @@ def _validate_model(m: Model) -> None:
 
 def _validate_architecture(m: Model) -> None:
     """An architecture of its own, from scratch: complete, consistent, and not mixed with a folder or preset."""
-    _require(not m.path and not m.preset, "model.dim, n_layers, ... describe a model trained from scratch: "
-             "drop model.path and model.preset (or drop the architecture fields)")
+    _require(
+        not m.path and not m.preset,
+        "model.dim, n_layers, ... describe a model trained from scratch: "
+        "drop model.path and model.preset (or drop the architecture fields)",
+    )
     missing = [f"model.{f}" for f in _ARCHITECTURE if getattr(m, f) is None]
     _require(not missing, f"training from scratch needs {', '.join(missing)} too")
     _require(m.init == "random", "a model trained from scratch has no weights: set model.init = 'random'")
@@ -763,8 +766,10 @@ def _validate_architecture(m: Model) -> None:
     _require(m.dim % m.n_heads == 0, f"model.dim ({m.dim}) must be a multiple of model.n_heads ({m.n_heads})")
     kv = m.n_kv_heads or m.n_heads
     _require(m.n_heads % kv == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({kv})")
-    _require(not m.shape or (len(m.shape) == 3 and min(m.shape) >= 0 and sum(m.shape) == m.n_layers),
-             f"model.shape must be P,R,C counts summing to model.n_layers ({m.n_layers}), got {m.shape}")
+    _require(
+        not m.shape or (len(m.shape) == 3 and min(m.shape) >= 0 and sum(m.shape) == m.n_layers),
+        f"model.shape must be P,R,C counts summing to model.n_layers ({m.n_layers}), got {m.shape}",
+    )
 
 
 def _validate_data(d: Data) -> None:
@@ -788,11 +793,14 @@ def _validate_data(d: Data) -> None:
         _require(s.path, f"{where} needs a path")
         _require(s.weight > 0, f"{where} weight must be > 0, got {s.weight}")
         _require(s.shuffle_buffer >= 0, f"{where} shuffle_buffer must be >= 0, got {s.shuffle_buffer}")
-        _require(s.format == "text" or s.kind in ("jsonl", "parquet", "hf"),
-                 f"{where} format 'prompt_completion' needs records with fields: kind jsonl, parquet or hf, "
-                 f"not {s.kind!r}")
-        _require(s.kind == "hf" or (s.revision is None and not s.data_files),
-                 f"{where} revision and data_files are for kind = 'hf' (a local {s.kind} source is its path)")
+        _require(
+            s.format == "text" or s.kind in ("jsonl", "parquet", "hf"),
+            f"{where} format 'prompt_completion' needs records with fields: kind jsonl, parquet or hf, not {s.kind!r}",
+        )
+        _require(
+            s.kind == "hf" or (s.revision is None and not s.data_files),
+            f"{where} revision and data_files are for kind = 'hf' (a local {s.kind} source is its path)",
+        )
 
 
 def validate(cfg: JobConfig) -> None:
@@ -826,8 +834,7 @@ def validate(cfg: JobConfig) -> None:
     _require(all(0 <= b < 1 for b in betas), f"optimizer.adamw_betas must be in [0, 1), got {betas}")
     _require(
         s.warmup_fraction + s.decay_fraction <= 1,
-        f"lr_scheduler.warmup_fraction + decay_fraction must be <= 1, "
-        f"got {s.warmup_fraction} + {s.decay_fraction}",
+        f"lr_scheduler.warmup_fraction + decay_fraction must be <= 1, got {s.warmup_fraction} + {s.decay_fraction}",
     )
     dp_shard = cfg.parallel.dp_shard
     _require(dp_shard == -1 or dp_shard >= 1, f"parallel.dp_shard must be -1 or >= 1, got {dp_shard}")

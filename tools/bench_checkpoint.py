@@ -60,11 +60,11 @@ def bench_checkpoint(folder: Path, megabytes: int, repeats: int) -> dict[str, fl
     times: dict[str, list[float]] = {k: [] for k in ("bare_save", "save", "load", "verify")}
     for step in range(1, repeats + 1):
         bare = folder / f"bare-{step}"
-        times["bare_save"].append(timed(lambda: dcp.save(states, checkpoint_id=str(bare))))
+        times["bare_save"].append(timed(lambda bare=bare: dcp.save(states, checkpoint_id=str(bare))))
         shutil.rmtree(bare)
-        times["save"].append(timed(lambda: manager.save(step)))
+        times["save"].append(timed(lambda step=step: manager.save(step)))
         times["verify"].append(timed(lambda: manager.choose_resume(-1, verify=True, fallback_on_corruption=False)))
-        times["load"].append(timed(lambda: manager.load(step)))
+        times["load"].append(timed(lambda step=step: manager.load(step)))
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -76,8 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rates = hash_throughput(args.megabytes)
-    print(f"hash throughput ({args.megabytes} MiB in memory, one core): xxh3_128 {rates['xxh3_128']:,.0f} MB/s, "
-          f"sha256 {rates['sha256']:,.0f} MB/s")
+    print(
+        f"hash throughput ({args.megabytes} MiB in memory, one core): xxh3_128 {rates['xxh3_128']:,.0f} MB/s, "
+        f"sha256 {rates['sha256']:,.0f} MB/s"
+    )
     shutil.rmtree(args.folder, ignore_errors=True)
     args.folder.mkdir(parents=True)
     try:
@@ -85,10 +87,14 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(args.folder, ignore_errors=True)
     print(f"DCP checkpoint of {args.megabytes} MB, one process, median of {args.repeats}:")
-    print(f"  save: bare dcp.save {t['bare_save']:.2f} s; with checksums + manifest {t['save']:.2f} s "
-          f"({100 * (t['save'] / t['bare_save'] - 1):+.0f}%)")
-    print(f"  load {t['load']:.2f} s; verification before it {t['verify']:.2f} s "
-          f"(+{100 * t['verify'] / t['load']:.0f}% of the load, {args.megabytes / t['verify']:,.0f} MB/s)")
+    print(
+        f"  save: bare dcp.save {t['bare_save']:.2f} s; with checksums + manifest {t['save']:.2f} s "
+        f"({100 * (t['save'] / t['bare_save'] - 1):+.0f}%)"
+    )
+    print(
+        f"  load {t['load']:.2f} s; verification before it {t['verify']:.2f} s "
+        f"(+{100 * t['verify'] / t['load']:.0f}% of the load, {args.megabytes / t['verify']:,.0f} MB/s)"
+    )
     sys.stdout.flush()
 
 

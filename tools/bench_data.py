@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from prepare_data import parse_args, prepare  # tools/ is on sys.path when run as a script
+
 from titan_recur.config import Data, DataSource
 from titan_recur.data.loader import build_dataloader
 from titan_recur.data.tokenizer import load_tokenizer
@@ -71,8 +72,13 @@ def build_sentencepiece(corpus_txt: Path, vocab: int, folder: Path) -> Path:
 
     folder.mkdir(parents=True)
     sentencepiece.SentencePieceTrainer.train(
-        input=str(corpus_txt), model_prefix=str(folder / "tokenizer"), vocab_size=vocab, model_type="bpe",
-        byte_fallback=True, hard_vocab_limit=False, minloglevel=2,
+        input=str(corpus_txt),
+        model_prefix=str(folder / "tokenizer"),
+        vocab_size=vocab,
+        model_type="bpe",
+        byte_fallback=True,
+        hard_vocab_limit=False,
+        minloglevel=2,
     )
     return folder
 
@@ -80,8 +86,11 @@ def build_sentencepiece(corpus_txt: Path, vocab: int, folder: Path) -> Path:
 def measure(cfg: Data, tokenizer_folder: Path, seq_len: int, batch: int, seconds: float) -> tuple[float, float]:
     """(tokens per wall second, tokens per CPU second) of one loader process."""
     tok = load_tokenizer(tokenizer_folder)
-    it = iter(build_dataloader(cfg, tok, seq_len=seq_len, local_batch_size=batch, rows_per_step=batch,
-                               dp_rank=0, dp_world=1, seed=0))
+    it = iter(
+        build_dataloader(
+            cfg, tok, seq_len=seq_len, local_batch_size=batch, rows_per_step=batch, dp_rank=0, dp_world=1, seed=0
+        )
+    )
     next(it)  # open the sources
     tokens, wall, cpu = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - wall < seconds:
@@ -114,8 +123,22 @@ def main() -> None:
         for name, folder in cases.items():
             wall, cpu = measure(source, folder, args.seq_len, args.batch, args.seconds)
             print(f"tokenize+pack  {name:36s} {wall:>12,.0f} tokens/s  {cpu:>12,.0f} tokens/CPU-s")
-        prepare(parse_args(["--tokenizer", str(hf), "--path", str(corpus), "--seq-len", str(args.seq_len),
-                            "--out", str(tmp / "pre"), "--workers", "1"]))
+        prepare(
+            parse_args(
+                [
+                    "--tokenizer",
+                    str(hf),
+                    "--path",
+                    str(corpus),
+                    "--seq-len",
+                    str(args.seq_len),
+                    "--out",
+                    str(tmp / "pre"),
+                    "--workers",
+                    "1",
+                ]
+            )
+        )
         pre = Data(sources=[DataSource(path=str(tmp / "pre" / "*.parquet"), kind="tokenized")])
         wall, cpu = measure(pre, hf, args.seq_len, args.batch, args.seconds)
         print(f"pre-tokenized  {'parquet rows':36s} {wall:>12,.0f} tokens/s  {cpu:>12,.0f} tokens/CPU-s")

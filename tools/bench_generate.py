@@ -90,8 +90,9 @@ def concat_generate(model: RecurrentLM, input_ids: torch.Tensor, new_tokens: int
     cache = ConcatKVCache()
     step_input = input_ids
     for _ in range(new_tokens):
-        logits = model(step_input, num_steps, attention_mask=attention_mask, state_init="zero",
-                       decoding=Decoding(cache=cache))
+        logits = model(
+            step_input, num_steps, attention_mask=attention_mask, state_init="zero", decoding=Decoding(cache=cache)
+        )
         step_input = logits[:, -1].argmax(dim=-1)[:, None]
         attention_mask = torch.cat([attention_mask, torch.ones_like(step_input)], dim=1)
     return cache.nbytes()
@@ -116,8 +117,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     speed.add_argument("--engines", default="cat,full,latest", help="subset of cat,full,latest")
     speed.add_argument("--compile", action="store_true", help="also time the engine with compiled core iterations")
     speed.add_argument("--rounds", type=int, default=3, help="timed runs of each engine, interleaved")
-    speed.add_argument("--iterations-per-call", type=int, default=GenerationOptions.iterations_per_call,
-                       help="core iterations per compiled call (GenerationOptions.iterations_per_call)")
+    speed.add_argument(
+        "--iterations-per-call",
+        type=int,
+        default=GenerationOptions.iterations_per_call,
+        help="core iterations per compiled call (GenerationOptions.iterations_per_call)",
+    )
 
     memory = commands.add_parser("memory", help="KV-cache bytes of a source preset's retrofit per mode and r")
     memory.add_argument("--preset", default="llama3.2-1b", help="source preset (titan_recur.models.args.PRESETS)")
@@ -149,9 +154,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     task.add_argument("--num-steps", type=int, default=32, help="r of the reference and max_steps of exits")
     task.add_argument("--recurrences", default="1,2,4,8,16", help="full at these r too (the fixed-depth baseline)")
     task.add_argument("--kv-sharing-modes", default="latest,compress-2,compress-4")
-    task.add_argument("--thresholds", default="kl:1e-2,1e-3,1e-4;latent-diff:0.1,0.03,0.01;"
-                      "entropy-diff:1e-2,1e-3,1e-4;argmax:2,5",
-                      help="criterion:thresholds;... (default Huginn's ranges around its defaults)")
+    task.add_argument(
+        "--thresholds",
+        default="kl:1e-2,1e-3,1e-4;latent-diff:0.1,0.03,0.01;entropy-diff:1e-2,1e-3,1e-4;argmax:2,5",
+        help="criterion:thresholds;... (default Huginn's ranges around its defaults)",
+    )
     task.add_argument("--limit", type=int, help="questions per length (default all)")
     return parser.parse_args(argv)
 
@@ -162,9 +169,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_model(args: argparse.Namespace) -> RecurrentLM:
     prelude, core, coda = (int(v) for v in args.shape.split(","))
     model_args = ModelArgs(
-        vocab_size=args.vocab, dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads,
-        head_dim=args.dim // args.heads, ffn_dim=args.ffn, n_prelude=prelude, n_core=core, n_coda=coda,
-        adapter_init="random", state_init="zero", max_seq_len=args.prompt_len + args.new_tokens,
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        head_dim=args.dim // args.heads,
+        ffn_dim=args.ffn,
+        n_prelude=prelude,
+        n_core=core,
+        n_coda=coda,
+        adapter_init="random",
+        state_init="zero",
+        max_seq_len=args.prompt_len + args.new_tokens,
     )
     torch.manual_seed(0)
     model = RecurrentLM(model_args)
@@ -177,11 +193,17 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def engine_run(model: RecurrentLM, input_ids: torch.Tensor, r: int, kv_sharing: str, compile: bool,
-               iterations_per_call: int):
+def engine_run(
+    model: RecurrentLM, input_ids: torch.Tensor, r: int, kv_sharing: str, compile: bool, iterations_per_call: int
+):
     def run(new_tokens: int, stop_after: int) -> int:
-        options = GenerationOptions(max_new_tokens=new_tokens, num_steps=r, kv_sharing=kv_sharing, compile=compile,
-                                    iterations_per_call=iterations_per_call)
+        options = GenerationOptions(
+            max_new_tokens=new_tokens,
+            num_steps=r,
+            kv_sharing=kv_sharing,
+            compile=compile,
+            iterations_per_call=iterations_per_call,
+        )
         stop = lambda tokens: torch.full((tokens.shape[0],), tokens.shape[1] >= stop_after)  # noqa: E731
         return generate(model, input_ids, options, stop=stop).kv_cache_bytes
 
@@ -203,10 +225,12 @@ def run_speed(args: argparse.Namespace) -> None:
     a slow drift of a shared machine's speed cancels out of the ratios."""
     model = build_model(args)
     engines = args.engines.split(",")
-    print(f"# {args.shape} d={args.dim} heads={args.heads}/{args.kv_heads} ffn={args.ffn} vocab={args.vocab} "
-          f"{args.dtype} {args.device}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-          f"threads={torch.get_num_threads()}, median of {args.rounds} rounds"
-          + (f", {args.iterations_per_call} iterations per compiled call" if args.compile else ""))
+    print(
+        f"# {args.shape} d={args.dim} heads={args.heads}/{args.kv_heads} ffn={args.ffn} vocab={args.vocab} "
+        f"{args.dtype} {args.device}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+        f"threads={torch.get_num_threads()}, median of {args.rounds} rounds"
+        + (f", {args.iterations_per_call} iterations per compiled call" if args.compile else "")
+    )
     print("| batch | r | engine | tokens/s (wall) | tokens/s (CPU s) | vs cat (wall) | vs cat (CPU s) | KV cache MiB |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|")
     for bsz in (int(v) for v in args.batch_sizes.split(",")):
@@ -215,7 +239,9 @@ def run_speed(args: argparse.Namespace) -> None:
         for r in (int(v) for v in args.recurrences.split(",")):
             runs = {}
             if "cat" in engines:
-                runs["cat"] = lambda new_tokens, stop_after, r=r: concat_generate(model, input_ids, stop_after, r)
+                runs["cat"] = lambda new_tokens, stop_after, r=r, input_ids=input_ids: concat_generate(
+                    model, input_ids, stop_after, r
+                )
             for mode in ("full", "latest"):
                 if mode in engines:
                     runs[mode] = engine_run(model, input_ids, r, mode, False, args.iterations_per_call)
@@ -234,10 +260,15 @@ def run_speed(args: argparse.Namespace) -> None:
                 ratios = ["-", "-"]
                 if "cat" in timings:
                     base = timings["cat"]
-                    ratios = [f"{statistics.median(b[i] / t[i] for b, t in zip(base, rows)):.2f}" for i in (0, 1)]
-                print(f"| {bsz} | {r} | {name} | {tokens / statistics.median(wall):.1f} | "
-                      f"{tokens / statistics.median(cpu):.1f} | {ratios[0]} | {ratios[1]} | {rows[0][2] / 2**20:.2f} |",
-                      flush=True)
+                    ratios = [
+                        f"{statistics.median(b[i] / t[i] for b, t in zip(base, rows, strict=False)):.2f}"
+                        for i in (0, 1)
+                    ]
+                print(
+                    f"| {bsz} | {r} | {name} | {tokens / statistics.median(wall):.1f} | "
+                    f"{tokens / statistics.median(cpu):.1f} | {ratios[0]} | {ratios[1]} | {rows[0][2] / 2**20:.2f} |",
+                    flush=True,
+                )
 
 
 # --- memory -------------------------------------------------------------------------------------
@@ -251,8 +282,10 @@ def run_memory(args: argparse.Namespace) -> None:
     preset = PRESETS[args.preset]
     model_args = preset.model_args(*(int(v) for v in args.shape.split(",")))
     static = KVCache.planned_bytes(model_args, 1, args.tokens, 1, "latest", 2)
-    print(f"# {args.preset} as ({args.shape}), one sequence of {args.tokens} tokens, bf16; \"latest\" = a static "
-          f"model of P+R+C layers")
+    print(
+        f'# {args.preset} as ({args.shape}), one sequence of {args.tokens} tokens, bf16; "latest" = a static '
+        f"model of P+R+C layers"
+    )
     print("| r | kv_sharing | layer slots | KV cache MiB | vs latest |")
     print("|---:|---|---:|---:|---:|")
     for r in (int(v) for v in args.recurrences.split(",")):
@@ -270,15 +303,21 @@ def heldout_rows(args: argparse.Namespace, tokenizer) -> list[torch.Tensor]:
     from titan_recur.eval.sweep import heldout_batches
     from titan_recur.models.loss import IGNORE_INDEX
 
-    batches = heldout_batches(tokenizer, seq_len=args.prompt_len + args.new_tokens, batch_size=args.batch_size,
-                              num_batches=args.batches, data=args.data, config=args.config)
+    batches = heldout_batches(
+        tokenizer,
+        seq_len=args.prompt_len + args.new_tokens,
+        batch_size=args.batch_size,
+        num_batches=args.batches,
+        data=args.data,
+        config=args.config,
+    )
     rows = [batch["input_ids"][(batch["labels"] != IGNORE_INDEX).all(-1)] for batch in batches]
     return [ids for ids in rows if len(ids)]
 
 
 def run_quality(args: argparse.Namespace) -> None:
-    from titan_recur.eval.loading import load_checkpoint
     from titan_recur.data.tokenizer import load_tokenizer
+    from titan_recur.eval.loading import load_checkpoint
 
     model = load_checkpoint(args.checkpoint)
     rows = heldout_rows(args, load_tokenizer(args.checkpoint))
@@ -288,9 +327,12 @@ def run_quality(args: argparse.Namespace) -> None:
     settings.update({f"{mode} r={r}": dict(num_steps=r, kv_sharing=mode) for mode in args.kv_sharing_modes.split(",")})
     for threshold in map(float, args.thresholds.split(",")):
         settings[f"full r={r}, exit {args.criterion} < {threshold:g}"] = dict(
-            num_steps=r, exit_criterion=args.criterion, exit_threshold=threshold, min_steps=args.min_steps)
-    print(f"# {args.checkpoint}: {sum(len(b) for b in rows)} held-out rows, prompt {p} tokens, "
-          f"{args.new_tokens} teacher-forced tokens each")
+            num_steps=r, exit_criterion=args.criterion, exit_threshold=threshold, min_steps=args.min_steps
+        )
+    print(
+        f"# {args.checkpoint}: {sum(len(b) for b in rows)} held-out rows, prompt {p} tokens, "
+        f"{args.new_tokens} teacher-forced tokens each"
+    )
     print("| setting | loss | greedy agreement with full | mean iterations / token | of r | coda+head calls / token |")
     print("|---|---:|---:|---:|---:|---:|")
     reference = None
@@ -306,8 +348,11 @@ def run_quality(args: argparse.Namespace) -> None:
         argmax = torch.cat(argmaxes)
         reference = argmax if reference is None else reference
         mean_steps = float(torch.cat(steps).mean())
-        print(f"| {name} | {float(torch.cat(losses).mean()):.4f} | {float((argmax == reference).float().mean()):.4f} | "
-              f"{mean_steps:.2f} | {mean_steps / r:.0%} | {float(torch.cat(calls).mean()):.2f} |", flush=True)
+        print(
+            f"| {name} | {float(torch.cat(losses).mean()):.4f} | {float((argmax == reference).float().mean()):.4f} | "
+            f"{mean_steps:.2f} | {mean_steps / r:.0%} | {float(torch.cat(calls).mean()):.2f} |",
+            flush=True,
+        )
 
 
 # --- task ---------------------------------------------------------------------------------------
@@ -324,15 +369,16 @@ def task_settings(args: argparse.Namespace) -> dict[str, dict]:
         for threshold in map(float, values.split(",")):
             rule = f"stable for {threshold:g} checks" if criterion == "argmax" else f"< {threshold:g}"
             settings[f"exit {criterion} {rule} (max {r})"] = dict(
-                num_steps=r, exit_criterion=criterion, exit_threshold=threshold)
+                num_steps=r, exit_criterion=criterion, exit_threshold=threshold
+            )
     return settings
 
 
 def run_task(args: argparse.Namespace) -> None:
     import json
 
-    from titan_recur.eval.loading import load_checkpoint
     from titan_recur.data.tokenizer import load_tokenizer
+    from titan_recur.eval.loading import load_checkpoint
 
     model, tokenizer = load_checkpoint(args.checkpoint), load_tokenizer(args.checkpoint)
     low, _, high = args.lengths.partition("-")
@@ -343,10 +389,15 @@ def run_task(args: argparse.Namespace) -> None:
         ids = torch.tensor([tokenizer.encode(row["prompt"], bos=True, eos=False) for row in rows])
         answers = torch.tensor([tokenizer.encode(row["completion"], bos=False, eos=False)[0] for row in rows])
         questions[n] = (ids, answers)
-    print(f"# {args.checkpoint}: {sum(len(a) for _, a in questions.values())} questions of lengths "
-          f"{lengths[0]}-{lengths[-1]}, each decoded token by token from BOS")
-    print("| setting | exact match | " + " | ".join(f"len {n}" for n in lengths)
-          + " | mean iterations / token | KV cache (bytes / question) |")
+    print(
+        f"# {args.checkpoint}: {sum(len(a) for _, a in questions.values())} questions of lengths "
+        f"{lengths[0]}-{lengths[-1]}, each decoded token by token from BOS"
+    )
+    print(
+        "| setting | exact match | "
+        + " | ".join(f"len {n}" for n in lengths)
+        + " | mean iterations / token | KV cache (bytes / question) |"
+    )
     print("|---|---:|" + "---:|" * len(lengths) + "---:|---:|")
     for name, knobs in task_settings(args).items():
         hits, per_length, steps, cache = 0, [], [], 0
@@ -359,8 +410,12 @@ def run_task(args: argparse.Namespace) -> None:
             steps.append(out.steps[:, 1:].float().flatten())  # the decoded question tokens
             cache = max(cache, out.kv_cache_bytes // len(answers))
         total = sum(len(a) for _, a in questions.values())
-        print(f"| {name} | {hits / total:.3f} | " + " | ".join(f"{a:.2f}" for a in per_length)
-              + f" | {float(torch.cat(steps).mean()):.2f} | {cache:,} |", flush=True)
+        print(
+            f"| {name} | {hits / total:.3f} | "
+            + " | ".join(f"{a:.2f}" for a in per_length)
+            + f" | {float(torch.cat(steps).mean()):.2f} | {cache:,} |",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

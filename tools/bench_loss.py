@@ -56,8 +56,13 @@ def run_point(args: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     peak = peak_bytes(args.device)
-    return {"chunk": args.point, "loss": float(loss), "peak_bytes": peak - base, "seconds": seconds,
-            "grad_norm": float(weight.grad.float().norm())}
+    return {
+        "chunk": args.point,
+        "loss": float(loss),
+        "peak_bytes": peak - base,
+        "seconds": seconds,
+        "grad_norm": float(weight.grad.float().norm()),
+    }
 
 
 def measure(chunk: int) -> dict:
@@ -70,16 +75,20 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_point(args)))
         return
     logits_mib = args.tokens * args.vocab * 4 / 2**20
-    print(f"# head + loss, vocab {args.vocab:,}, d {args.dim:,}, {args.tokens:,} tokens, {args.dtype} on "
-          f"{args.device}; fp32 logits alone: {logits_mib:,.0f} MiB")
+    print(
+        f"# head + loss, vocab {args.vocab:,}, d {args.dim:,}, {args.tokens:,} tokens, {args.dtype} on "
+        f"{args.device}; fp32 logits alone: {logits_mib:,.0f} MiB"
+    )
     print("| loss_chunk_tokens | peak above inputs + grads (MiB) | vs plain | time (s) | loss | |grad W| |")
     print("|---|---|---|---|---|---|")
     plain = None
     for chunk in [int(c) for c in args.chunks.split(",")]:
         point = measure(chunk)
         plain = plain or point["peak_bytes"]
-        print(f"| {chunk or 'plain'} | {point['peak_bytes'] / 2**20:,.0f} | {point['peak_bytes'] / plain:.2f} | "
-              f"{point['seconds']:.2f} | {point['loss']:.6f} | {point['grad_norm']:.6f} |")
+        print(
+            f"| {chunk or 'plain'} | {point['peak_bytes'] / 2**20:,.0f} | {point['peak_bytes'] / plain:.2f} | "
+            f"{point['seconds']:.2f} | {point['loss']:.6f} | {point['grad_norm']:.6f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,16 @@ def build_step(cfg):
     model = build_model(cfg, resolve_model_args(cfg.model), device)
     optimizers = build_optimizers(model, cfg.optimizer, cfg.lr_scheduler, t.steps)
     tokenizer = load_tokenizer(tokenizer_folder(cfg))
-    loader = build_dataloader(cfg.data, tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-                              rows_per_step=t.local_batch_size, dp_rank=0, dp_world=1, seed=cfg.job.seed)
+    loader = build_dataloader(
+        cfg.data,
+        tokenizer,
+        seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size,
+        rows_per_step=t.local_batch_size,
+        dp_rank=0,
+        dp_world=1,
+        seed=cfg.job.seed,
+    )
     batch = next(iter(loader))
     input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
     k = min(r.backprop_depth, r.mean_recurrence)
@@ -118,23 +126,30 @@ def main(argv: list[str] | None = None) -> None:
     if ns.measure:
         print(measure_tensors(cfg) if ns.measure == "tensors" else measure_rss(cfg))
         return
+    import torch
+
     from titan_recur.storage.model_io import resolve_model_args
     from titan_recur.training.cost_model import memory_estimate
 
-    import torch
-
-    device = "cuda" if cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available()) \
+    device = (
+        "cuda"
+        if cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
         else "cpu"
+    )
     estimate = memory_estimate(cfg, resolve_model_args(cfg.model), 1, device)
     t = cfg.training
     tensors, rss = child("tensors", argv), child("rss", argv)
-    print(f"# {ns.config} {' '.join(overrides)}: {t.local_batch_size} x {t.seq_len} tokens, ac_mode {t.ac_mode}, "
-          f"device {device}, one process")
+    print(
+        f"# {ns.config} {' '.join(overrides)}: {t.local_batch_size} x {t.seq_len} tokens, ac_mode {t.ac_mode}, "
+        f"device {device}, one process"
+    )
     print(f"estimate: {estimate.describe()}")
     print("| measured | MiB | estimate (MiB) | estimate / measured |")
     print("|---|---:|---:|---:|")
-    print(f"| peak live tensors (weights, grads, optimizer, activations) | {tensors / MiB:.1f} | "
-          f"{estimate.total / MiB:.1f} | {estimate.total / tensors:.2f} |")
+    print(
+        f"| peak live tensors (weights, grads, optimizer, activations) | {tensors / MiB:.1f} | "
+        f"{estimate.total / MiB:.1f} | {estimate.total / tensors:.2f} |"
+    )
     above = estimate.total - estimate.weights
     label = "peak RSS above the pre-step RSS" if device == "cpu" else "max_memory_allocated above the pre-step"
     print(f"| {label} (all but weights) | {rss / MiB:.1f} | {above / MiB:.1f} | {above / rss:.2f} |")

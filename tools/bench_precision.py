@@ -55,8 +55,8 @@ def build(args: argparse.Namespace, mode: str, seed: int):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from titan_recur.storage.model_io import load_model
     from titan_recur.models.model import RecurrentLM
+    from titan_recur.storage.model_io import load_model
     from titan_recur.training.parallelize import apply_fsdp, build_dp_mesh, mixed_precision_policy
 
     torch.manual_seed(seed)
@@ -77,9 +77,18 @@ def model_args(args: argparse.Namespace):
 
     prelude, core, coda = (int(v) for v in args.shape.split(","))
     return ModelArgs(
-        vocab_size=args.vocab, dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads,
-        head_dim=args.dim // args.heads, ffn_dim=args.ffn, n_prelude=prelude, n_core=core, n_coda=coda,
-        block_type=args.block_type, adapter_init="random", state_init="zero",
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        head_dim=args.dim // args.heads,
+        ffn_dim=args.ffn,
+        n_prelude=prelude,
+        n_core=core,
+        n_coda=coda,
+        block_type=args.block_type,
+        adapter_init="random",
+        state_init="zero",
     )
 
 
@@ -140,9 +149,11 @@ def main(argv: list[str] | None = None) -> None:
                 losses.setdefault((r, mode), []).append(abs(float(loss - ref_loss)))
     a = models["fp32"].args
     source = args.model or "random init"
-    print(f"# {source}: shape {a.n_prelude},{a.n_core},{a.n_coda} {a.block_type} d={a.dim} ffn {a.ffn_dim} vocab "
-          f"{a.vocab_size}, random adapter, zero state; batch {args.batch} x seq {args.seq_len}; seeds {args.seeds}; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    print(
+        f"# {source}: shape {a.n_prelude},{a.n_core},{a.n_coda} {a.block_type} d={a.dim} ffn {a.ffn_dim} vocab "
+        f"{a.vocab_size}, random adapter, zero state; batch {args.batch} x seq {args.seq_len}; seeds {args.seeds}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)"
+    )
     print("| r | mode | rel. logit error vs fp32, mean (min-max) | abs. loss difference, mean |")
     print("|---|---|---|---|")
     for (r, mode), values in errors.items():

@@ -52,9 +52,17 @@ def build_model(args: argparse.Namespace):
 
     prelude, core, coda = (int(v) for v in args.shape.split(","))
     model_args = ModelArgs(
-        vocab_size=args.vocab, dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads,
-        head_dim=args.dim // args.heads, ffn_dim=args.ffn, n_prelude=prelude, n_core=core, n_coda=coda,
-        adapter_init="random", state_init="zero",
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        head_dim=args.dim // args.heads,
+        ffn_dim=args.ffn,
+        n_prelude=prelude,
+        n_core=core,
+        n_coda=coda,
+        adapter_init="random",
+        state_init="zero",
     )
     torch.manual_seed(0)
     model = RecurrentLM(model_args)
@@ -105,9 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     from titan_recur.training import cost_model
 
     _, model_args = build_model(argparse.Namespace(**{**vars(args), "device": "cpu", "compile": False}))
-    print(f"# shape {args.shape} d={args.dim} batch {args.batch} x seq {args.seq_len}, device {args.device}, "
-          f"ac {args.ac_mode}, dtype {args.dtype}, compile {args.compile}")
-    print("\n## Peak memory vs no-grad iterations n (k = %d)" % args.k)
+    print(
+        f"# shape {args.shape} d={args.dim} batch {args.batch} x seq {args.seq_len}, device {args.device}, "
+        f"ac {args.ac_mode}, dtype {args.dtype}, compile {args.compile}"
+    )
+    print(f"\n## Peak memory vs no-grad iterations n (k = {args.k})")
     print("| n | k | step peak above model+optimizer (MiB) | ratio to n=0 |")
     print("|---|---|---|---|")
     memory_points = [int(v) for v in args.memory_points.split(",")]
@@ -124,8 +134,10 @@ def main(argv: list[str] | None = None) -> None:
         point = measure(args, r - 1, 1)
         per_token = cost_model.training_flops_per_token(model_args, (r - 1, 1), args.seq_len).total
         base_time, base_flops = base_time or point["step_seconds"], base_flops or per_token
-        print(f"| {r} | {point['step_seconds']:.3f} | {point['step_seconds'] / base_time:.2f} | "
-              f"{per_token / base_flops:.2f} |")
+        print(
+            f"| {r} | {point['step_seconds']:.3f} | {point['step_seconds'] / base_time:.2f} | "
+            f"{per_token / base_flops:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -46,18 +46,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def trainer_overrides(args: argparse.Namespace, dump: str) -> list[str]:
     if args.preset:
-        model = ["--model.path", "none", "--model.preset", args.preset, "--model.shape", args.shape, "--model.init", "random",
-                 "--data.tokenizer", str(REPO / "assets" / "tokenizer")]
+        model = [
+            "--model.path",
+            "none",
+            "--model.preset",
+            args.preset,
+            "--model.shape",
+            args.shape,
+            "--model.init",
+            "random",
+            "--data.tokenizer",
+            str(REPO / "assets" / "tokenizer"),
+        ]
     else:
         model = ["--model.path", args.model, "--model.preset", "none", "--model.shape", ""]
     return [
-        *model, "--job.dump_folder", dump, "--training.steps", str(args.warmup + args.steps),
-        "--training.local_batch_size", str(args.local_batch), "--training.seq_len", str(args.seq_len),
-        "--training.ac_mode", args.ac_mode, "--training.compile", str(args.compile).lower(),
-        "--training.loss_chunk_tokens", str(args.loss_chunk_tokens),
-        "--checkpoint.enable", "false", "--checkpoint.export_final", "false", "--validation.enable", "false",
-        "--metrics.enable_tensorboard", "false", "--metrics.jsonl", "false",
-        "--data.validation_fraction", "0", "--recurrence.curriculum", "none", "--training.global_batch_size", "none",
+        *model,
+        "--job.dump_folder",
+        dump,
+        "--training.steps",
+        str(args.warmup + args.steps),
+        "--training.local_batch_size",
+        str(args.local_batch),
+        "--training.seq_len",
+        str(args.seq_len),
+        "--training.ac_mode",
+        args.ac_mode,
+        "--training.compile",
+        str(args.compile).lower(),
+        "--training.loss_chunk_tokens",
+        str(args.loss_chunk_tokens),
+        "--checkpoint.enable",
+        "false",
+        "--checkpoint.export_final",
+        "false",
+        "--validation.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.jsonl",
+        "false",
+        "--data.validation_fraction",
+        "0",
+        "--recurrence.curriculum",
+        "none",
+        "--training.global_batch_size",
+        "none",
         *(["--metrics.peak_flops", str(args.peak_flops)] if args.peak_flops else []),
     ]
 
@@ -67,8 +101,8 @@ def run(args: argparse.Namespace) -> dict:
     no-grad and one grad iteration inside the real step (changing (n, k) compiles nothing new)."""
     import torch
 
-    from titan_recur.training import cost_model
     from titan_recur.config import load_config
+    from titan_recur.training import cost_model
     from titan_recur.training.trainer import Trainer
 
     n, k = (int(v) for v in args.num_steps.split(","))
@@ -109,13 +143,23 @@ def run(args: argparse.Namespace) -> dict:
         per_token = cost_model.training_flops_per_token(trainer.model_args, (n, k), args.seq_len, args.ac_mode)
         peak = trainer.metrics.peak_flops
         result = {
-            "model": args.preset or args.model, "shape": args.shape if args.preset else None,
-            "num_steps": [n, k], "seq_len": args.seq_len, "local_batch": args.local_batch,
-            "world_size": trainer.dist.world_size, "ac_mode": args.ac_mode, "compile": args.compile,
-            "device": str(device), "step_seconds": seconds, "tokens_per_sec_per_device": tokens / seconds,
-            "model_flops_per_token": per_token.total, "peak_flops": peak,
-            "mfu": cost_model.mfu(per_token.total * tokens / seconds, peak), "peak_memory_gib": memory,
-            "no_grad_iteration_ms": no_grad_ms, "grad_iteration_ms": grad_ms,
+            "model": args.preset or args.model,
+            "shape": args.shape if args.preset else None,
+            "num_steps": [n, k],
+            "seq_len": args.seq_len,
+            "local_batch": args.local_batch,
+            "world_size": trainer.dist.world_size,
+            "ac_mode": args.ac_mode,
+            "compile": args.compile,
+            "device": str(device),
+            "step_seconds": seconds,
+            "tokens_per_sec_per_device": tokens / seconds,
+            "model_flops_per_token": per_token.total,
+            "peak_flops": peak,
+            "mfu": cost_model.mfu(per_token.total * tokens / seconds, peak),
+            "peak_memory_gib": memory,
+            "no_grad_iteration_ms": no_grad_ms,
+            "grad_iteration_ms": grad_ms,
         }
         trainer.close()
     return result
@@ -136,10 +180,12 @@ def main(argv: list[str] | None = None) -> None:
     def ms(v):
         return "n/a" if v is None else f"{v:.2f} ms"
 
-    print(f"{result['model']} {result['shape'] or ''} (n,k)={tuple(result['num_steps'])} seq {args.seq_len} "
-          f"batch {args.local_batch} ac {args.ac_mode} compile {args.compile}: "
-          f"{result['tokens_per_sec_per_device']:,.0f} tok/s/device, MFU {mfu}, peak {mem}, "
-          f"no-grad iteration {ms(result['no_grad_iteration_ms'])}, grad iteration {ms(result['grad_iteration_ms'])}")
+    print(
+        f"{result['model']} {result['shape'] or ''} (n,k)={tuple(result['num_steps'])} seq {args.seq_len} "
+        f"batch {args.local_batch} ac {args.ac_mode} compile {args.compile}: "
+        f"{result['tokens_per_sec_per_device']:,.0f} tok/s/device, MFU {mfu}, peak {mem}, "
+        f"no-grad iteration {ms(result['no_grad_iteration_ms'])}, grad iteration {ms(result['grad_iteration_ms'])}"
+    )
 
 
 if __name__ == "__main__":

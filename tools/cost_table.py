@@ -20,9 +20,18 @@ from titan_recur.training.preflight import ASSUMED_MFU, full_flops_estimate
 from titan_recur.utils.resources import project_folder
 
 PAPER_CONFIGS = [
-    "tinyllama_cc_math", "tinyllama_static_cc_math", "llama3_2_1b_cc_math", "llama3_2_1b_static_cc_math",
-    "olmo2_1b_cc_math", "olmo2_1b_static_cc_math", "tinyllama_healing", "tinyllama_mixture",
-    "llama3_2_1b_healing", "llama3_2_1b_mixture", "olmo2_1b_healing", "olmo2_1b_mixture",
+    "tinyllama_cc_math",
+    "tinyllama_static_cc_math",
+    "llama3_2_1b_cc_math",
+    "llama3_2_1b_static_cc_math",
+    "olmo2_1b_cc_math",
+    "olmo2_1b_static_cc_math",
+    "tinyllama_healing",
+    "tinyllama_mixture",
+    "llama3_2_1b_healing",
+    "llama3_2_1b_mixture",
+    "olmo2_1b_healing",
+    "olmo2_1b_mixture",
 ]
 WORLD_SIZE = 64
 GPUS = (("H100/H200", "H100"), ("MI300X", "MI300X"))
@@ -40,9 +49,15 @@ def table(mfu: float) -> str:
         a = run.args
         shape = f"{a.n_prelude},{a.n_core},{a.n_coda}" if a.is_recurrent else f"{a.n_prelude} static"
         hours = [full / (cost_model.peak_flops(device_name=gpu) * mfu) / 3600 for _, gpu in GPUS]
-        row = [f"`{name}`", shape, f"{steps * run.tokens_per_step:.3g}",
-               f"{run.cumulative_flops(steps, 'paper'):.3e}", f"{full:.3e}", *(f"{h:,.0f}" for h in hours),
-               f"{hours[0] / WORLD_SIZE:.1f}"]
+        row = [
+            f"`{name}`",
+            shape,
+            f"{steps * run.tokens_per_step:.3g}",
+            f"{run.cumulative_flops(steps, 'paper'):.3e}",
+            f"{full:.3e}",
+            *(f"{h:,.0f}" for h in hours),
+            f"{hours[0] / WORLD_SIZE:.1f}",
+        ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

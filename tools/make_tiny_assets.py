@@ -23,6 +23,7 @@ import importlib
 import inspect
 import json
 import math
+import pydoc_data.topics
 import random
 import re
 import time
@@ -30,7 +31,6 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pydoc_data.topics
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -171,8 +171,10 @@ def _percent(rng: random.Random) -> tuple[str, list[str], int]:
     discount = price * percent // 100
     final = price - discount
     question = f"A {item} costs ${price}. {name} gets a {percent}% discount. How much does {name} pay?"
-    steps = [f"The discount is {percent}% of {price} = {price} * {percent} / 100 = ${discount}.",
-             f"{name} pays {price} - {discount} = ${final}."]
+    steps = [
+        f"The discount is {percent}% of {price} = {price} * {percent} / 100 = ${discount}.",
+        f"{name} pays {price} - {discount} = ${final}.",
+    ]
     return question, steps, final
 
 
@@ -185,8 +187,10 @@ def _rate(rng: random.Random) -> tuple[str, list[str], int]:
         f"{name} travels at {speed} km per hour for {hours} hours, then walks another {extra} km. "
         f"How many kilometers does {name} cover in total?"
     )
-    steps = [f"At {speed} km per hour for {hours} hours, {name} covers {speed} * {hours} = {first} km.",
-             f"In total {name} covers {first} + {extra} = {total} km."]
+    steps = [
+        f"At {speed} km per hour for {hours} hours, {name} covers {speed} * {hours} = {first} km.",
+        f"In total {name} covers {first} + {extra} = {total} km.",
+    ]
     return question, steps, total
 
 
@@ -199,8 +203,10 @@ def _work(rng: random.Random) -> tuple[str, list[str], int]:
         f"{name} packs {per_hour} boxes every hour and works {hours} hours a day. "
         f"How many boxes does {name} pack in {days} days?"
     )
-    steps = [f"Each day {name} packs {per_hour} * {hours} = {per_day} boxes.",
-             f"In {days} days {name} packs {per_day} * {days} = {total} boxes."]
+    steps = [
+        f"Each day {name} packs {per_hour} * {hours} = {per_day} boxes.",
+        f"In {days} days {name} packs {per_day} * {days} = {total} boxes.",
+    ]
     return question, steps, total
 
 
@@ -215,9 +221,11 @@ def _sharing(rng: random.Random) -> tuple[str, list[str], int]:
         f"{name}'s cousin has {bags} times as many {item} as {name} had at the start. "
         f"How many {item} does the cousin have?"
     )
-    steps = [f"{name} gives away {friends} * {each} = {given} {item}.",
-             f"{name} started with {given} + {kept} = {total} {item}.",
-             f"The cousin has {bags} * {total} = {per_bag_total} {item}."]
+    steps = [
+        f"{name} gives away {friends} * {each} = {given} {item}.",
+        f"{name} started with {given} + {kept} = {total} {item}.",
+        f"The cousin has {bags} * {total} = {per_bag_total} {item}.",
+    ]
     return question, steps, per_bag_total
 
 
@@ -230,7 +238,12 @@ def _arithmetic(rng: random.Random) -> tuple[str, list[str], int]:
 
 
 MATH_TEMPLATES: tuple[Callable[[random.Random], tuple[str, list[str], int]], ...] = (
-    _shopping, _percent, _rate, _work, _sharing, _arithmetic,
+    _shopping,
+    _percent,
+    _rate,
+    _work,
+    _sharing,
+    _arithmetic,
 )
 
 
@@ -322,7 +335,7 @@ def pretrain(model: PreTrainedModel, train_rows: torch.Tensor, eval_rows: torch.
     start = time.perf_counter()
     model.train()
     for step in range(steps):
-        batch = train_rows[(step * BATCH_SIZE) % (len(train_rows) - BATCH_SIZE):][:BATCH_SIZE]
+        batch = train_rows[(step * BATCH_SIZE) % (len(train_rows) - BATCH_SIZE) :][:BATCH_SIZE]
         loss = next_token_loss(model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -337,17 +350,33 @@ def pretrain(model: PreTrainedModel, train_rows: torch.Tensor, eval_rows: torch.
 
 def tiny_llama_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, **_special_ids(tokenizer),
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        **_special_ids(tokenizer),
     )
 
 
 def tiny_olmo2_config(tokenizer: PreTrainedTokenizerFast) -> Olmo2Config:
     return Olmo2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048, rope_theta=10000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, **_special_ids(tokenizer),
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        **_special_ids(tokenizer),
     )
 
 

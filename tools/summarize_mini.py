@@ -37,8 +37,13 @@ class Parser(argparse.ArgumentParser):
 
 def task_lengths(report: dict[str, Any]) -> dict[str, int]:
     """{task name: chain length} from the names the report's tasks carry."""
-    names = {task for run in report["runs"] for point in run["points"] for entry in point["results"].values()
-             for task in entry.get("tasks", {})}
+    names = {
+        task
+        for run in report["runs"]
+        for point in run["points"]
+        for entry in point["results"].values()
+        for task in entry.get("tasks", {})
+    }
     lengths = {name: int(m.group(1)) for name in names if (m := _LENGTH.search(name))}
     if not lengths:
         raise ValueError("no task named <prefix>_<length> in the report (tools/make_depth_task.py's tasks)")
@@ -54,9 +59,12 @@ def point_cells(entry: dict[str, Any], lengths: dict[str, int], long: range) -> 
     per_length = {lengths[t]: accuracy(s) for t, s in entry.get("tasks", {}).items() if t in lengths}
     long_acc = [a for n, a in per_length.items() if n in long]
     short_acc = [a for n, a in per_length.items() if n not in long]
-    return {"per_length": dict(sorted(per_length.items())),
-            "long": statistics.fmean(long_acc) if long_acc else None,
-            "short": statistics.fmean(short_acc) if short_acc else None, "loss": entry.get("loss")}
+    return {
+        "per_length": dict(sorted(per_length.items())),
+        "long": statistics.fmean(long_acc) if long_acc else None,
+        "short": statistics.fmean(short_acc) if short_acc else None,
+        "loss": entry.get("loss"),
+    }
 
 
 def run_kind(run: dict[str, Any]) -> str:
@@ -79,15 +87,20 @@ def summarize(report: dict[str, Any], long: range) -> dict[str, Any]:
         for index in range(min(len(run["points"]) for run in runs)):  # the same checkpoints in every seed
             per_seed = [run["points"][index] for run in runs]
             cells = {}
-            for r in (report["recurrences"] if runs[0]["recurrent"] else report["recurrences"][:1]):
+            for r in report["recurrences"] if runs[0]["recurrent"] else report["recurrences"][:1]:
                 seeds = [point_cells(p["results"][str(r)], lengths, long) for p in per_seed]
                 cells[str(r)] = {
-                    key: spread([s[key] for s in seeds]) for key in ("long", "short", "loss")
+                    key: spread([s[key] for s in seeds])
+                    for key in ("long", "short", "loss")
                     if all(s[key] is not None for s in seeds)
                 } | {"per_length": {n: spread([s["per_length"][n] for s in seeds]) for n in seeds[0]["per_length"]}}
             points.append({"step": per_seed[0]["step"], "flops": per_seed[0]["flops"], "results": cells})
-        out["arms"][kind] = {"recurrent": runs[0]["recurrent"], "seeds": len(runs), "points": points,
-                             "train_mean_recurrence": runs[0]["train_mean_recurrence"]}
+        out["arms"][kind] = {
+            "recurrent": runs[0]["recurrent"],
+            "seeds": len(runs),
+            "points": points,
+            "train_mean_recurrence": runs[0]["train_mean_recurrence"],
+        }
     return out
 
 
@@ -109,14 +122,19 @@ def markdown(summary: dict[str, Any]) -> str:
     lines = ["# The miniature reproduction", ""]
     head = "| model | FLOPs (paper) | " + " | ".join(f"r={r}" for r in rs) + " |"
     rule = "|---|---|" + "---|" * len(rs)
-    for key, title in (("long", f"Accuracy on the long chains ({long[0]}-{long[1]} operators)"),
-                       ("short", "Accuracy on the short chains (the other lengths)"),
-                       ("loss", "Answer-only held-out loss")):
+    for key, title in (
+        ("long", f"Accuracy on the long chains ({long[0]}-{long[1]} operators)"),
+        ("short", "Accuracy on the short chains (the other lengths)"),
+        ("loss", "Answer-only held-out loss"),
+    ):
         rows = []
         if rec:
             final = rec["points"][-1]
-            rows.append(f"| recurrent, {rec['seeds']} seed(s), mean (min-max) | {final['flops']['paper']:.3e} | "
-                        + " | ".join(fmt(final["results"][str(r)].get(key)) for r in rs) + " |")
+            rows.append(
+                f"| recurrent, {rec['seeds']} seed(s), mean (min-max) | {final['flops']['paper']:.3e} | "
+                + " | ".join(fmt(final["results"][str(r)].get(key)) for r in rs)
+                + " |"
+            )
         for name, arm in static_arms(summary):
             final = arm["points"][-1]
             value = fmt(final["results"][str(rs[0])].get(key))
@@ -125,21 +143,33 @@ def markdown(summary: dict[str, Any]) -> str:
             lines += [f"## {title}", "", head, rule, *rows, ""]
     if rec:
         lengths = sorted(rec["points"][-1]["results"][str(rs[0])]["per_length"])
-        lines += ["## Accuracy per chain length (final models)", "",
-                  "| model | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+        lines += [
+            "## Accuracy per chain length (final models)",
+            "",
+            "| model | " + " | ".join(str(n) for n in lengths) + " |",
+            "|---|" + "---|" * len(lengths),
+        ]
         for r in rs:
             cells = rec["points"][-1]["results"][str(r)]["per_length"]
             lines.append(f"| recurrent r={r} | " + " | ".join(fmt(cells.get(n)) for n in lengths) + " |")
         for name, arm in static_arms(summary):
             cells = arm["points"][-1]["results"][str(rs[0])]["per_length"]
             lines.append(f"| {name} | " + " | ".join(fmt(cells.get(n)) for n in lengths) + " |")
-        lines += ["", "## Along training (long chains)", "", "| model | step | FLOPs (paper) | FLOPs (full) | "
-                  + " | ".join(f"r={r}" for r in rs) + " |", "|---|---|---|---|" + "---|" * len(rs)]
+        lines += [
+            "",
+            "## Along training (long chains)",
+            "",
+            "| model | step | FLOPs (paper) | FLOPs (full) | " + " | ".join(f"r={r}" for r in rs) + " |",
+            "|---|---|---|---|" + "---|" * len(rs),
+        ]
         for name, arm in summary["arms"].items():
             for p in arm["points"]:
                 cells = [fmt(p["results"].get(str(r), p["results"][str(rs[0])]).get("long")) for r in rs]
-                lines.append(f"| {name} | {p['step']} | {p['flops']['paper']:.3e} | {p['flops']['full']:.3e} | "
-                             + " | ".join(cells) + " |")
+                lines.append(
+                    f"| {name} | {p['step']} | {p['flops']['paper']:.3e} | {p['flops']['full']:.3e} | "
+                    + " | ".join(cells)
+                    + " |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -150,8 +180,12 @@ def plot_vs_r(summary: dict[str, Any], path: Path) -> None:
     rec = summary["arms"].get("recurrent")
     if rec:
         cells = [rec["points"][-1]["results"][str(r)]["long"] for r in rs]
-        ax.plot(rs, [c["mean"] for c in cells], marker="o",
-                label=f"recurrent (train mean r {rec['train_mean_recurrence']}), mean of {rec['seeds']} seed(s)")
+        ax.plot(
+            rs,
+            [c["mean"] for c in cells],
+            marker="o",
+            label=f"recurrent (train mean r {rec['train_mean_recurrence']}), mean of {rec['seeds']} seed(s)",
+        )
         ax.fill_between(rs, [c["min"] for c in cells], [c["max"] for c in cells], alpha=0.25)
     styles = iter(["--", "-.", ":", (0, (5, 1))])
     for name, arm in static_arms(summary):
@@ -171,13 +205,23 @@ def plot_vs_flops(summary: dict[str, Any], path: Path) -> None:
     if rec:
         colors = plt.get_cmap("viridis")([i / max(len(rs) - 1, 1) for i in range(len(rs))])
         for color, r in zip(colors, rs, strict=True):
-            ax.plot([p["flops"]["paper"] for p in rec["points"]],
-                    [p["results"][str(r)]["long"]["mean"] for p in rec["points"]], marker="o", color=color,
-                    label=f"recurrent r={r}")
+            ax.plot(
+                [p["flops"]["paper"] for p in rec["points"]],
+                [p["results"][str(r)]["long"]["mean"] for p in rec["points"]],
+                marker="o",
+                color=color,
+                label=f"recurrent r={r}",
+            )
     for name, arm in static_arms(summary):
-        ax.plot([p["flops"]["paper"] for p in arm["points"]],
-                [p["results"][str(rs[0])]["long"]["mean"] for p in arm["points"]], marker="x", markersize=9,
-                color="black", linestyle="--", label=f"static: {name}")
+        ax.plot(
+            [p["flops"]["paper"] for p in arm["points"]],
+            [p["results"][str(rs[0])]["long"]["mean"] for p in arm["points"]],
+            marker="x",
+            markersize=9,
+            color="black",
+            linestyle="--",
+            label=f"static: {name}",
+        )
     ax.set_xscale("log")
     save_accuracy_figure(fig, ax, "training FLOPs (paper convention)", long, path)
 
@@ -197,8 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="summarize_mini.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("report", type=Path, help="compare.json of tools/compare.py")
     p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--long", type=parse_lengths, default=parse_lengths("7-12"),
-                   help="the long chain lengths, longer than the source's training (default 7-12)")
+    p.add_argument(
+        "--long",
+        type=parse_lengths,
+        default=parse_lengths("7-12"),
+        help="the long chain lengths, longer than the source's training (default 7-12)",
+    )
     ns = p.parse_args(argv)
     if not ns.report.is_file():
         p.error(f"{ns.report}: no such file")

@@ -40,8 +40,14 @@ def main() -> None:
 
     def loader():
         return build_dataloader(
-            cfg, tok, seq_len=SEQ_LEN, local_batch_size=BATCH, rows_per_step=ROWS_PER_STEP,
-            dp_rank=rank, dp_world=world, seed=0,
+            cfg,
+            tok,
+            seq_len=SEQ_LEN,
+            local_batch_size=BATCH,
+            rows_per_step=ROWS_PER_STEP,
+            dp_rank=rank,
+            dp_world=world,
+            seed=0,
         )
 
     reference = rows_of(list(islice(iter(loader()), 250)))

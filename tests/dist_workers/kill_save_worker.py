@@ -56,8 +56,14 @@ class Launch:
         for rank in range(world):
             pid = os.fork()
             if pid == 0:
-                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-                                  RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+                os.environ.update(
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                    WORLD_SIZE=str(world),
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                    LOCAL_WORLD_SIZE=str(world),
+                )
                 fd = os.open(f"{log}.rank{rank}", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
@@ -128,8 +134,9 @@ def reference_run(argv: list[str], world: int, dump: Path, log: Path) -> list[fl
     return durations
 
 
-def killed_runs(argv: list[str], world: int, steps: int, kills: int, dump: Path, save_s: float,
-                rng: random.Random, logs: Path) -> dict:
+def killed_runs(
+    argv: list[str], world: int, steps: int, kills: int, dump: Path, save_s: float, rng: random.Random, logs: Path
+) -> dict:
     """``kills`` launches each killed inside a save, a check of every complete step after each, then the
     rest of the run in one more launch (which saves only at the end)."""
     argv = [*argv, "--job.dump_folder", str(dump)]
@@ -157,8 +164,11 @@ def killed_runs(argv: list[str], world: int, steps: int, kills: int, dump: Path,
 def stall_timeout(metrics: Path, save_seconds: list[float]) -> int:
     """The stall launches' step / collective timeout: 10x the slowest step (with its save) this machine
     just took in the reference run, at least 3 s, so a loaded machine's honest step never trips it."""
-    step_times = [json.loads(line)["step_time"] for line in metrics.read_text().splitlines() if line.endswith("}")
-                  and "step_time" in json.loads(line)]
+    step_times = [
+        json.loads(line)["step_time"]
+        for line in metrics.read_text().splitlines()
+        if line.endswith("}") and "step_time" in json.loads(line)
+    ]
     return max(3, round(10 * (max(step_times, default=0.0) + max(save_seconds, default=0.0))))
 
 
@@ -197,8 +207,13 @@ def main() -> None:
     timeout = stall_timeout(root / "reference" / "metrics.jsonl", durations)
     result["stall_timeout_s"] = timeout
     result["stalls"] = {
-        name: stall_run([arg.replace("{timeout}", str(timeout)) for arg in stall["argv"]], world, stall["after_step"],
-                        root / name, root / f"{name}.log")
+        name: stall_run(
+            [arg.replace("{timeout}", str(timeout)) for arg in stall["argv"]],
+            world,
+            stall["after_step"],
+            root / name,
+            root / f"{name}.log",
+        )
         for name, stall in spec.get("stalls", {}).items()
     }
     Path(sys.argv[2]).write_text(json.dumps(result))

@@ -20,18 +20,26 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
-
-from titan_recur.models import ModelArgs, RecurrentLM, cross_entropy_loss
-from titan_recur.config import LRScheduler, Optimizer
-from titan_recur.training.optim import Muon, build_optimizers, clip_coefficient, grad_square_sum, scale_grads_
 from worker_util import finish
+
+from titan_recur.config import LRScheduler, Optimizer
+from titan_recur.models import ModelArgs, RecurrentLM, cross_entropy_loss
+from titan_recur.training.optim import Muon, build_optimizers, clip_coefficient, grad_square_sum, scale_grads_
 
 # (n_no_grad, k_grad) per step; the same on every rank.
 NUM_STEPS = [(0, 1), (1, 2), (2, 1)]
 GLOBAL_BATCH, SEQ_LEN = 4, 8
 OPTIMIZER = dict(
-    name="muon", lr=1e-2, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=1e-4,
-    adamw_lr=1e-3, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=1e-4,
+    name="muon",
+    lr=1e-2,
+    momentum=0.95,
+    nesterov=True,
+    ns_steps=5,
+    weight_decay=1e-4,
+    adamw_lr=1e-3,
+    adamw_betas=(0.9, 0.95),
+    adamw_eps=1e-8,
+    adamw_weight_decay=1e-4,
 )
 SCHEDULER = LRScheduler(warmup_fraction=0.0, decay_fraction=0.0, decay_type="cosine", min_lr_factor=0.1)
 
@@ -40,8 +48,17 @@ def build_model(tie: bool) -> RecurrentLM:
     """ffn_dim 47 and vocab 61 are odd: gate/up/down and the embedding shard unevenly over 2 ranks."""
     torch.manual_seed(0)
     args = ModelArgs(
-        vocab_size=61, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=47,
-        n_prelude=1, n_core=2, n_coda=1, tie_embeddings=tie, state_init="zero",
+        vocab_size=61,
+        dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        ffn_dim=47,
+        n_prelude=1,
+        n_core=2,
+        n_coda=1,
+        tie_embeddings=tie,
+        state_init="zero",
     )
     model = RecurrentLM(args)
     model.init_weights()
@@ -94,8 +111,10 @@ def fsdp_scenario(mesh: DeviceMesh, tie: bool, fuse: bool) -> dict:
     ref, synced = copy.deepcopy(model), copy.deepcopy(model)
     shard_model(model, mesh)
     cfg = Optimizer(**OPTIMIZER, fuse_qkv=fuse)
-    opts = {name: build_optimizers(m, cfg, SCHEDULER, len(NUM_STEPS)) for name, m in
-            (("sharded", model), ("ref", ref), ("synced", synced))}
+    opts = {
+        name: build_optimizers(m, cfg, SCHEDULER, len(NUM_STEPS))
+        for name, m in (("sharded", model), ("ref", ref), ("synced", synced))
+    }
     muon_names = list(opts["ref"].optimizers[0].param_groups[0]["param_names"])
     all_names = [n for n, _ in ref.named_parameters()]
     adamw_names = [n for n in all_names if n not in muon_names]
@@ -106,7 +125,7 @@ def fsdp_scenario(mesh: DeviceMesh, tie: bool, fuse: bool) -> dict:
     for step, num_steps in enumerate(NUM_STEPS):
         ids = torch.randint(0, 61, (GLOBAL_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(100 + step))
         # Local mean loss; FSDP2 averages grads over ranks, giving the global mean's gradient.
-        loss_of(model, ids[rank * per_rank:(rank + 1) * per_rank], num_steps).backward()
+        loss_of(model, ids[rank * per_rank : (rank + 1) * per_rank], num_steps).backward()
         loss_of(synced, ids, num_steps).backward()
         loss_of(ref, ids, num_steps).backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
@@ -129,16 +148,19 @@ def fsdp_scenario(mesh: DeviceMesh, tie: bool, fuse: bool) -> dict:
             container.zero_grad()
         params = {n: full(p) for n, p in model.named_parameters()}
         ref_params = dict(ref.named_parameters())
-        steps.append(dict(
-            grad_diff=grad_diff,
-            clipped_grad_diff=clipped_grad_diff,
-            norm=norm.item(),
-            norm_diff=abs(norm.item() - synced_norm.item()),
-            synced_diff=max_diff(params, dict(synced.named_parameters()), all_names),
-            ref_muon_diff=max_diff(params, ref_params, muon_names),
-            ref_muon_rel_drift=frobenius(params, ref_params, muon_names) / frobenius(ref_params, initial, muon_names),
-            ref_adamw_diff=max_diff(params, ref_params, adamw_names),
-        ))
+        steps.append(
+            dict(
+                grad_diff=grad_diff,
+                clipped_grad_diff=clipped_grad_diff,
+                norm=norm.item(),
+                norm_diff=abs(norm.item() - synced_norm.item()),
+                synced_diff=max_diff(params, dict(synced.named_parameters()), all_names),
+                ref_muon_diff=max_diff(params, ref_params, muon_names),
+                ref_muon_rel_drift=frobenius(params, ref_params, muon_names)
+                / frobenius(ref_params, initial, muon_names),
+                ref_adamw_diff=max_diff(params, ref_params, adamw_names),
+            )
+        )
     return dict(
         steps=steps,
         n_muon_matrices=len(muon_names),
@@ -172,14 +194,14 @@ def edge_shapes_scenario(mesh: DeviceMesh, placements: list) -> dict:
     opt_sharded = Muon(sharded, lr=0.05, fuse_groups=[sharded[2:4]])
     comms = Counter()
     for _ in range(4):
-        for p, s in zip(plain, sharded):
+        for p, s in zip(plain, sharded, strict=False):
             p.grad = torch.randn(p.shape)
             s.grad = distribute_tensor(p.grad.clone(), mesh, placements)
         opt_plain.step()
         with CommDebugMode() as mode:
             opt_sharded.step()
         comms.update(comm_counts(mode))
-    diff = max((s.full_tensor() - p).abs().max().item() for p, s in zip(plain, sharded))
+    diff = max((s.full_tensor() - p).abs().max().item() for p, s in zip(plain, sharded, strict=False))
     return dict(diff=diff, comms=dict(comms), local_rows=[s.to_local().shape[0] for s in sharded])
 
 

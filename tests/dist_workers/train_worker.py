@@ -54,25 +54,44 @@ def fixed_batches(steps: int, accum: int, global_batch: int, seq_len: int, vocab
 def build_trainer(args: argparse.Namespace) -> Trainer:
     world = int(os.environ.get("WORLD_SIZE", 1))
     overrides = [
-        "--model.path", args.model,
-        "--job.dump_folder", args.dump,
-        "--training.steps", str(args.steps),
-        "--training.local_batch_size", str(args.global_batch // world),
-        "--training.global_batch_size", str(args.global_batch * args.accum),
-        "--training.seq_len", str(args.seq_len),
-        "--training.ac_mode", args.ac,
-        "--optimizer.name", args.optimizer,
-        "--optimizer.lr", "1e-3",
-        "--optimizer.adamw_lr", "5e-5",
-        "--recurrence.mean_recurrence", "4",
-        "--recurrence.backprop_depth", "2",
-        "--recurrence.curriculum", "linear",
-        "--recurrence.warmup_fraction", "0.5",
-        "--checkpoint.enable", "false",
-        "--checkpoint.export_final", "false",
-        "--metrics.enable_tensorboard", "false",
-        "--metrics.log_freq", "1",
-        "--parallel.dp_replicate", str(args.dp_replicate),
+        "--model.path",
+        args.model,
+        "--job.dump_folder",
+        args.dump,
+        "--training.steps",
+        str(args.steps),
+        "--training.local_batch_size",
+        str(args.global_batch // world),
+        "--training.global_batch_size",
+        str(args.global_batch * args.accum),
+        "--training.seq_len",
+        str(args.seq_len),
+        "--training.ac_mode",
+        args.ac,
+        "--optimizer.name",
+        args.optimizer,
+        "--optimizer.lr",
+        "1e-3",
+        "--optimizer.adamw_lr",
+        "5e-5",
+        "--recurrence.mean_recurrence",
+        "4",
+        "--recurrence.backprop_depth",
+        "2",
+        "--recurrence.curriculum",
+        "linear",
+        "--recurrence.warmup_fraction",
+        "0.5",
+        "--checkpoint.enable",
+        "false",
+        "--checkpoint.export_final",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.log_freq",
+        "1",
+        "--parallel.dp_replicate",
+        str(args.dp_replicate),
     ] + args.overrides
     return Trainer(load_config(args.config, overrides))
 
@@ -160,8 +179,15 @@ class HostSyncs(TorchFunctionMode):
     device sync), so only calls from titan_recur frames count.
     """
 
-    READS = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
-             torch.Tensor.__float__, torch.Tensor.numpy, torch.Tensor.cpu)
+    READS = (
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.__bool__,
+        torch.Tensor.__int__,
+        torch.Tensor.__float__,
+        torch.Tensor.numpy,
+        torch.Tensor.cpu,
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -209,8 +235,12 @@ def run_collectives(trainer: Trainer, args: argparse.Namespace) -> dict:
                 assert trainer.train_step(iter(micro)) is not None
             forward = phase["forward"]
             after = {key: core_counts[key] - forward.get(key, 0) for key in core_counts}
-            results[f"{n},{k}"] = {"forward": forward, "after_forward": after, "all_reduce": reduces["all_reduce"],
-                                   "host_syncs": syncs.calls}
+            results[f"{n},{k}"] = {
+                "forward": forward,
+                "after_forward": after,
+                "all_reduce": reduces["all_reduce"],
+                "host_syncs": syncs.calls,
+            }
     return results
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from titan_recur.config import DATA_FORMATS
 from titan_recur.convert.layer_analysis import (
     ANGULAR_PLOT,
     INFLUENCE_PLOT,
@@ -50,11 +51,10 @@ from titan_recur.convert.layer_analysis import (
     require_matplotlib,
     shapes_for_budget,
 )
-from titan_recur.config import DATA_FORMATS
-from titan_recur.training.validation import check_recurrences
-from titan_recur.storage.model_io import check_output_files
-from titan_recur.utils.limits import check_allocation, check_recurrence_bound, check_seq_len, forward_bytes
 from titan_recur.convert.surgery import ConversionError, parse_shape, read_source, resolve_source
+from titan_recur.storage.model_io import check_output_files
+from titan_recur.training.validation import check_recurrences
+from titan_recur.utils.limits import check_allocation, check_recurrence_bound, check_seq_len, forward_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # torchdata's StatefulDataLoader calls a deprecated torch API on construction; it would precede every line we print.
@@ -78,21 +78,34 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--data", help="held-out file or glob: .jsonl/.json, .parquet, else plain text")
     data.add_argument("--config", help="train config TOML: use its validation split (data.validation_fraction > 0)")
     parser.add_argument("--text-field", default="text", help="jsonl/parquet field holding the text (default: text)")
-    parser.add_argument("--format", dest="data_format", choices=DATA_FORMATS, default="text",
-                        help="--data records: 'text' (loss on every token) or 'prompt_completion' (the loss on the "
-                        "completions only, e.g. a task's answers) (default text)")
+    parser.add_argument(
+        "--format",
+        dest="data_format",
+        choices=DATA_FORMATS,
+        default="text",
+        help="--data records: 'text' (loss on every token) or 'prompt_completion' (the loss on the "
+        "completions only, e.g. a task's answers) (default text)",
+    )
     parser.add_argument("--tokens", type=int, default=65536, help="calibration tokens (default 65536)")
-    parser.add_argument("--seq-len", type=int,
-                        help="tokens per row (default: the config's training.seq_len, else 1024)")
+    parser.add_argument(
+        "--seq-len", type=int, help="tokens per row (default: the config's training.seq_len, else 1024)"
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="rows per forward (default 8)")
     surgery = parser.add_argument_group("candidate surgeries").add_mutually_exclusive_group()
     surgery.add_argument("--recommend", metavar="P,R,C", help="rank every core placement of this shape")
     surgery.add_argument("--budget", type=int, metavar="K", help="rank every P,R,C >= 1 with P + R + C = K")
-    parser.add_argument("--measure", type=int, default=32,
-                        help="convert and measure the loss of this many candidates, those with the smallest "
-                        "angular score (default 32)")
-    parser.add_argument("--recurrences", type=parse_ints, default=list(RANDOM_RECURRENCES),
-                        help="test recurrences of the random-adapter losses (default 1,2,4)")
+    parser.add_argument(
+        "--measure",
+        type=int,
+        default=32,
+        help="convert and measure the loss of this many candidates, those with the smallest angular score (default 32)",
+    )
+    parser.add_argument(
+        "--recurrences",
+        type=parse_ints,
+        default=list(RANDOM_RECURRENCES),
+        help="test recurrences of the random-adapter losses (default 1,2,4)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random adapter, as convert_hf.py --seed")
     parser.add_argument("--top", type=int, default=5, help="candidates printed (default 5)")
     parser.add_argument("--out", type=Path, help="output folder (default outputs/layer_analysis/<source name>)")
@@ -119,8 +132,12 @@ def output_folder(args: argparse.Namespace) -> Path:
     out = args.out or Path("outputs") / "layer_analysis" / Path(args.source).name
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a folder")
-    check_output_files([out / name for name in (JSON_NAME, INFLUENCE_PLOT, ANGULAR_PLOT)], args.force, is_analysis_output,
-                       "a layer analysis result")
+    check_output_files(
+        [out / name for name in (JSON_NAME, INFLUENCE_PLOT, ANGULAR_PLOT)],
+        args.force,
+        is_analysis_output,
+        "a layer analysis result",
+    )
     return out
 
 
@@ -141,15 +158,19 @@ def check_rows(seq_len: int, batch_size: int, config: dict, dtype: torch.dtype, 
     weights = (2 * int(config["vocab_size"]) * dim + layers * (4 * dim * dim + 3 * dim * ffn)) * dtype.itemsize
     # Every layer's hidden states are kept for the distances: one residual stream per layer on top of a forward.
     batch = forward_bytes(batch_size, seq_len, dim, ffn, dtype.itemsize) + layers * batch_size * seq_len * dim * 4
-    check_allocation(weights + batch, device, f"a batch of {batch_size} x {seq_len} tokens with the source model",
-                     hint="lower --batch-size or --seq-len")
+    check_allocation(
+        weights + batch,
+        device,
+        f"a batch of {batch_size} x {seq_len} tokens with the source model",
+        hint="lower --batch-size or --seq-len",
+    )
 
 
 def run(argv: list[str] | None = None) -> None:
     from titan_recur.config import load_config
+    from titan_recur.data.tokenizer import check_vocab, load_tokenizer
     from titan_recur.eval.loading import resolve_device
     from titan_recur.eval.sweep import heldout_batches
-    from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 
     args = build_parser().parse_args(argv)
     shape = None if args.recommend is None else parse_shape(args.recommend)
@@ -171,18 +192,38 @@ def run(argv: list[str] | None = None) -> None:
     num_batches = math.ceil(rows / batch_size)
     check_rows(seq_len, batch_size, source.config, DTYPES[args.dtype], device)
     out = output_folder(args)
-    batches = list(heldout_batches(tokenizer, seq_len=seq_len, batch_size=batch_size, num_batches=num_batches,
-                                   data=args.data, text_field=args.text_field, config=args.config,
-                                   data_format=args.data_format))
+    batches = list(
+        heldout_batches(
+            tokenizer,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            num_batches=num_batches,
+            data=args.data,
+            text_field=args.text_field,
+            config=args.config,
+            data_format=args.data_format,
+        )
+    )
     data = args.data or f"{args.config} (validation split)"
     out.mkdir(parents=True, exist_ok=True)  # before the work: an unwritable folder fails now
-    print(f"{args.source}: {source.architecture}, {source.n_layers} layers; calibration {data}: "
-          f"{num_batches} batches x {batch_size} rows x {seq_len} tokens "
-          f"(the rows of python -m titan_recur.eval loss --batches {num_batches} --batch-size {batch_size} "
-          f"--seq-len {seq_len})")
-    report = analyze(source, args.source, batches, device=device, dtype=DTYPES[args.dtype], plans=plans,
-                     measure=args.measure, recurrences=args.recurrences, seed=args.seed,
-                     progress=sys.stderr.isatty())
+    print(
+        f"{args.source}: {source.architecture}, {source.n_layers} layers; calibration {data}: "
+        f"{num_batches} batches x {batch_size} rows x {seq_len} tokens "
+        f"(the rows of python -m titan_recur.eval loss --batches {num_batches} --batch-size {batch_size} "
+        f"--seq-len {seq_len})"
+    )
+    report = analyze(
+        source,
+        args.source,
+        batches,
+        device=device,
+        dtype=DTYPES[args.dtype],
+        plans=plans,
+        measure=args.measure,
+        recurrences=args.recurrences,
+        seed=args.seed,
+        progress=sys.stderr.isatty(),
+    )
     report.update(data=data, seq_len=seq_len, batch_size=batch_size, batches=num_batches, dtype=args.dtype)
     (out / JSON_NAME).write_text(json.dumps(report, indent=2) + "\n")
     plots = plot_report(report, out)

@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from titan_recur.storage.checkpoint import CheckpointError
 from titan_recur.config import DATA_FORMATS, ConfigError
+from titan_recur.storage.checkpoint import CheckpointError
 
 EPILOG = """\
 examples:
@@ -51,22 +51,38 @@ def parse_ints(text: str) -> list[int]:
 
 
 def build_parser() -> Parser:
-    p = Parser(prog="compare.py", description=__doc__, epilog=EPILOG, allow_abbrev=False,
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(
+        prog="compare.py",
+        description=__doc__,
+        epilog=EPILOG,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="trainer dump folders (recurrent or static)")
     p.add_argument("--labels", help="comma-separated run names for tables and plots (default: folder names)")
     p.add_argument("--out", type=Path, default=Path("outputs/compare"), help="output folder (default outputs/compare)")
-    p.add_argument("--recurrences", type=parse_ints, default=parse_ints("1,2,4,8,16,32"),
-                   help="test recurrences (default 1,2,4,8,16,32)")
+    p.add_argument(
+        "--recurrences",
+        type=parse_ints,
+        default=parse_ints("1,2,4,8,16,32"),
+        help="test recurrences (default 1,2,4,8,16,32)",
+    )
     p.add_argument("--checkpoints", action="store_true", help="also evaluate every complete checkpoint")
-    p.add_argument("--world-size", type=int, help="data-parallel ranks of the runs (default: read from their "
-                   "checkpoints, else 1); sets the micro-steps per step of the full FLOP convention")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        help="data-parallel ranks of the runs (default: read from their "
+        "checkpoints, else 1); sets the micro-steps per step of the full FLOP convention",
+    )
     what = p.add_argument_group("what to measure (at least one)")
     what.add_argument("--task", help="comma-separated lm-eval task names, globs or YAML files")
     what.add_argument("--data", help="held-out file for the loss: .jsonl/.json, .parquet, else plain text")
     harness = p.add_argument_group("harness")
-    harness.add_argument("--metric", help="headline metric of the tasks, e.g. exact_match,flexible-extract "
-                         "(default: exact_match,flexible-extract, else acc,none, else the first)")
+    harness.add_argument(
+        "--metric",
+        help="headline metric of the tasks, e.g. exact_match,flexible-extract "
+        "(default: exact_match,flexible-extract, else acc,none, else the first)",
+    )
     harness.add_argument("--limit", type=float, help="examples per task (a fraction if < 1)")
     harness.add_argument("--num-fewshot", type=int, help="override the tasks' number of few-shot examples")
     harness.add_argument("--batch-size", type=int, default=16, help="harness batch size (default 16)")
@@ -74,9 +90,14 @@ def build_parser() -> Parser:
     harness.add_argument("--include-path", action="append", default=[], help="extra task folder (repeatable)")
     loss = p.add_argument_group("loss")
     loss.add_argument("--text-field", default="text", help="jsonl/parquet field holding the text (default text)")
-    loss.add_argument("--format", dest="data_format", choices=DATA_FORMATS, default="text",
-                      help="--data records: 'text' (loss on every token) or 'prompt_completion' (fields prompt and "
-                      "completion: the loss on the completions only, e.g. a task's answers) (default text)")
+    loss.add_argument(
+        "--format",
+        dest="data_format",
+        choices=DATA_FORMATS,
+        default="text",
+        help="--data records: 'text' (loss on every token) or 'prompt_completion' (fields prompt and "
+        "completion: the loss on the completions only, e.g. a task's answers) (default text)",
+    )
     loss.add_argument("--loss-batches", type=int, default=8, help="held-out batches (default 8)")
     loss.add_argument("--loss-batch-size", type=int, default=8, help="rows per batch (default 8)")
     loss.add_argument("--seq-len", type=int, help="tokens per row (default: each run's training.seq_len)")
@@ -123,13 +144,25 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--world-size must be >= 1, got {ns.world_size}")
         for folder in ns.runs:
             check_run_folder(Path(folder))
-        runs = [read_run(folder, world_size=ns.world_size, label=label, checkpoints=ns.checkpoints)
-                for folder, label in zip(ns.runs, labels)]
+        runs = [
+            read_run(folder, world_size=ns.world_size, label=label, checkpoints=ns.checkpoints)
+            for folder, label in zip(ns.runs, labels, strict=False)
+        ]
         settings = EvalSettings(
-            recurrences=ns.recurrences, tasks=[t for t in (ns.task or "").split(",") if t], data=ns.data,
-            text_field=ns.text_field, data_format=ns.data_format, loss_batches=ns.loss_batches, loss_batch_size=ns.loss_batch_size,
-            seq_len=ns.seq_len, batch_size=ns.batch_size, max_gen_toks=ns.max_gen_toks, limit=ns.limit,
-            num_fewshot=ns.num_fewshot, include_path=ns.include_path, device=ns.device,
+            recurrences=ns.recurrences,
+            tasks=[t for t in (ns.task or "").split(",") if t],
+            data=ns.data,
+            text_field=ns.text_field,
+            data_format=ns.data_format,
+            loss_batches=ns.loss_batches,
+            loss_batch_size=ns.loss_batch_size,
+            seq_len=ns.seq_len,
+            batch_size=ns.batch_size,
+            max_gen_toks=ns.max_gen_toks,
+            limit=ns.limit,
+            num_fewshot=ns.num_fewshot,
+            include_path=ns.include_path,
+            device=ns.device,
         )
         if not settings.tasks and settings.data is None:
             raise ValueError("nothing to measure: give --task and/or --data")

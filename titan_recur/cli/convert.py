@@ -29,7 +29,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from titan_recur.models.args import ADAPTER_INITS, STATE_INITS
 from titan_recur.convert.surgery import (
     DTYPES,
     ConversionError,
@@ -43,6 +42,7 @@ from titan_recur.convert.surgery import (
     read_source,
     resolve_source,
 )
+from titan_recur.models.args import ADAPTER_INITS, STATE_INITS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,35 +59,50 @@ def build_parser() -> argparse.ArgumentParser:
     layers.add_argument("--static", action="store_true", help="no recurrence: the kept layers as a plain stack")
     model = parser.add_argument_group("model options")
     model.add_argument(
-        "--adapter-init", choices=ADAPTER_INITS, default="identity",
+        "--adapter-init",
+        choices=ADAPTER_INITS,
+        default="identity",
         help="identity: A = [0 | I], exact at r=1 (default); random: nn.Linear default init, seeded by --seed",
     )
     model.add_argument("--seed", type=int, default=0, help="seed of the random adapter init (default 0)")
     model.add_argument(
-        "--state-init", choices=STATE_INITS, default="normal",
+        "--state-init",
+        choices=STATE_INITS,
+        default="normal",
         help="initial recurrent state: truncated normal (default), zeros, or the prelude output",
     )
     model.add_argument(
-        "--state-std", type=float, default=None,
+        "--state-std",
+        type=float,
+        default=None,
         help="std of the normal state init; default sqrt(2/(5*dim)) (the reference used sqrt(2/(5*5280)) "
         "= 0.0087 for every model, an accident inherited from Huginn)",
     )
     tie = model.add_mutually_exclusive_group()
     tie.add_argument(
-        "--tie-embeddings", dest="tie_embeddings", action="store_true", default=False,
+        "--tie-embeddings",
+        dest="tie_embeddings",
+        action="store_true",
+        default=False,
         help="one matrix for embedding and LM head (an untied source must have equal matrices)",
     )
     tie.add_argument(
-        "--untie-embeddings", dest="tie_embeddings", action="store_false",
+        "--untie-embeddings",
+        dest="tie_embeddings",
+        action="store_false",
         help="separate matrices (default; a tied source's matrix is copied into both, as the reference does)",
     )
     model.add_argument(
-        "--mean-recurrence", type=int, default=ConvertOptions.mean_recurrence,
+        "--mean-recurrence",
+        type=int,
+        default=ConvertOptions.mean_recurrence,
         help="eval depth written to the config, used when no depth is given "
         f"(default {ConvertOptions.mean_recurrence})",
     )
     parser.add_argument(
-        "--dtype", choices=list(DTYPES), default="float32",
+        "--dtype",
+        choices=list(DTYPES),
+        default="float32",
         help="weights dtype of the output (default float32; source keeps the stored dtypes)",
     )
     parser.add_argument("--revision", help="hub revision (branch, tag or commit) when SOURCE is a hub id")
@@ -105,10 +120,15 @@ def run(argv: list[str] | None = None) -> None:
     check_output(args.output, args.force)  # before any download
     folder = resolve_source(args.source, args.revision)
     source = read_source(folder)
-    plan = plan_layers(source.n_layers, shape, *lists, static=args.static)
+    plan = plan_layers(source.n_layers, shape, *lists, static=args.static)  # type: ignore[misc]
     options = ConvertOptions(
-        adapter_init=args.adapter_init, state_init=args.state_init, state_std=args.state_std,
-        tie_embeddings=args.tie_embeddings, mean_recurrence=args.mean_recurrence, dtype=args.dtype, seed=args.seed,
+        adapter_init=args.adapter_init,
+        state_init=args.state_init,
+        state_std=args.state_std,
+        tie_embeddings=args.tie_embeddings,
+        mean_recurrence=args.mean_recurrence,
+        dtype=args.dtype,
+        seed=args.seed,
     )
     model_args = convert(
         folder, args.output, plan, options, force=args.force, dry_run=args.dry_run, source_name=args.source

@@ -21,31 +21,40 @@ import json
 import sys
 from pathlib import Path
 
-from titan_recur.storage.checkpoint import CheckpointError
+from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 from titan_recur.eval.loading import DTYPES, default_tokenizer_folder, load_checkpoint
 from titan_recur.hf.export import GENERATION_CONFIG_FILE, check_repo_id, export_hf, lm_eval_command, push_to_hub
 from titan_recur.models.args import STATE_INITS
-from titan_recur.data.tokenizer import check_vocab, load_tokenizer
+from titan_recur.storage.checkpoint import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="export_hf.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("checkpoint",
-                        help="titan_recur model folder (config.json + model.safetensors) or DCP step folder")
+    parser.add_argument(
+        "checkpoint", help="titan_recur model folder (config.json + model.safetensors) or DCP step folder"
+    )
     parser.add_argument("output", type=Path, help="output folder (must not exist or be empty, unless --force)")
     parser.add_argument("--model-config", help="model folder giving the architecture of a DCP step folder")
     parser.add_argument("--tokenizer", help="folder with the tokenizer files (default: the model folder)")
-    parser.add_argument("--mean-recurrence", type=int,
-                        help="default iterations of the export when no num_steps is given (default: the model's)")
-    parser.add_argument("--state-init", choices=STATE_INITS,
-                        help="default initial state of the export "
-                        "(default: deterministic, zero; 'embed' models keep embed)")
+    parser.add_argument(
+        "--mean-recurrence",
+        type=int,
+        help="default iterations of the export when no num_steps is given (default: the model's)",
+    )
+    parser.add_argument(
+        "--state-init",
+        choices=STATE_INITS,
+        help="default initial state of the export (default: deterministic, zero; 'embed' models keep embed)",
+    )
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights dtype (default float32)")
     parser.add_argument("--force", action="store_true", help="overwrite a previous export in OUTPUT")
-    parser.add_argument("--push-to-hub", metavar="REPO",
-                        help="then upload OUTPUT to the Hub repo OWNER/NAME (created if missing; needs a login)")
+    parser.add_argument(
+        "--push-to-hub",
+        metavar="REPO",
+        help="then upload OUTPUT to the Hub repo OWNER/NAME (created if missing; needs a login)",
+    )
     parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     return parser
 
@@ -58,9 +67,15 @@ def run(argv: list[str] | None = None) -> None:
     model = load_checkpoint(args.checkpoint, args.model_config)
     check_vocab(load_tokenizer(tokenizer_folder), model.args.vocab_size)
     export_hf(
-        model, args.output, tokenizer_folder=tokenizer_folder, mean_recurrence=args.mean_recurrence,
-        state_init=args.state_init, dtype=args.dtype, force=args.force,
-        source=args.model_config or args.checkpoint, repo_id=args.push_to_hub,
+        model,
+        args.output,
+        tokenizer_folder=tokenizer_folder,
+        mean_recurrence=args.mean_recurrence,
+        state_init=args.state_init,
+        dtype=args.dtype,
+        force=args.force,
+        source=args.model_config or args.checkpoint,
+        repo_id=args.push_to_hub,
     )
     kind = "recurrent (trust_remote_code)" if model.args.is_recurrent else "static"
     print(f"wrote {kind} HF model to {args.output}")

@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from titan_recur.config import ConfigError, Recurrence, Training, load_config
+from titan_recur.models.args import PRESETS, ModelArgs
+from titan_recur.storage.model_io import read_model_args
 from titan_recur.training.cost_model import (
     AC_MODES,
     CONVENTIONS,
@@ -23,8 +25,6 @@ from titan_recur.training.cost_model import (
     param_counts,
     training_flops_per_token,
 )
-from titan_recur.models.args import PRESETS, ModelArgs
-from titan_recur.storage.model_io import read_model_args
 from titan_recur.training.recurrence import CURRICULUM_KINDS, Curriculum, RecurrenceSchedule
 
 # Flags that describe the run, and the config keys that take their place under --config.
@@ -46,9 +46,15 @@ SCHEDULE_FLAGS = {
 # Without --config, a run has the trainer's defaults (titan_recur.config), as a config file that sets nothing.
 _TRAINING, _RECURRENCE = Training(), Recurrence()
 DEFAULTS = dict(
-    steps=_TRAINING.steps, curriculum=_RECURRENCE.curriculum, warmup_fraction=_RECURRENCE.warmup_fraction,
-    max_mean=_RECURRENCE.mean_recurrence, start=_RECURRENCE.start, backprop_depth=_RECURRENCE.backprop_depth,
-    seq_len=_TRAINING.seq_len, micro_steps=1, ac_mode=_TRAINING.ac_mode,
+    steps=_TRAINING.steps,
+    curriculum=_RECURRENCE.curriculum,
+    warmup_fraction=_RECURRENCE.warmup_fraction,
+    max_mean=_RECURRENCE.mean_recurrence,
+    start=_RECURRENCE.start,
+    backprop_depth=_RECURRENCE.backprop_depth,
+    seq_len=_TRAINING.seq_len,
+    micro_steps=1,
+    ac_mode=_TRAINING.ac_mode,
 )
 
 EPILOG = """\
@@ -143,7 +149,9 @@ def build_parser() -> Parser:
         "--curriculum", choices=CURRICULUM_KINDS, help=f"mean-recurrence ramp (default {d['curriculum']})"
     )
     sched.add_argument(
-        "--warmup-fraction", type=float, metavar="F",
+        "--warmup-fraction",
+        type=float,
+        metavar="F",
         help=f"fraction of steps the ramp takes (default {d['warmup_fraction']})",
     )
     sched.add_argument(
@@ -151,12 +159,16 @@ def build_parser() -> Parser:
     )
     sched.add_argument("--start", type=int, metavar="R", help=f"mean recurrence at step 0 (default {d['start']})")
     sched.add_argument(
-        "--backprop-depth", type=int, metavar="D",
+        "--backprop-depth",
+        type=int,
+        metavar="D",
         help=f"grad-carrying iterations, the paper's 8 (default {d['backprop_depth']})",
     )
     batch = p.add_argument_group("batch")
     batch.add_argument(
-        "--tokens-per-step", type=int, metavar="N",
+        "--tokens-per-step",
+        type=int,
+        metavar="N",
         help=f"tokens per optimizer step (default training.local_batch_size {_TRAINING.local_batch_size} x "
         "--world-size x --seq-len; 64 GPUs at seq 1024: 2**20, the paper's)",
     )
@@ -164,27 +176,35 @@ def build_parser() -> Parser:
         "--seq-len", type=int, metavar="T", help=f"sequence length, for attention FLOPs (default {d['seq_len']})"
     )
     batch.add_argument(
-        "--micro-steps", type=int, metavar="M",
+        "--micro-steps",
+        type=int,
+        metavar="M",
         help=f"gradient-accumulation micro-steps per step, each with its own (n, k) (default {d['micro_steps']})",
     )
     batch.add_argument(
-        "--world-size", type=int, default=1, metavar="W",
+        "--world-size",
+        type=int,
+        default=1,
+        metavar="W",
         help="data-parallel ranks: tokens/step without --tokens-per-step; with --config, "
         "global_batch_size / (local_batch_size * W) micro-steps per step (default 1)",
     )
     batch.add_argument(
-        "--ac-mode", choices=AC_MODES,
+        "--ac-mode",
+        choices=AC_MODES,
         help=f"activation checkpointing, for the recompute figure (default {d['ac_mode']})",
     )
     out = p.add_argument_group("output")
     out.add_argument(
-        "--num-steps", metavar="n,k",
+        "--num-steps",
+        metavar="n,k",
         help="per-token FLOPs at n no-grad + k grad iterations (default: the final mean split by the backprop depth)",
     )
     out.add_argument("--at-step", type=int, metavar="S", help="cumulative FLOPs after S steps (default --steps)")
     out.add_argument("--match", metavar="OTHER", help="steps of OTHER costing the same FLOPs (see below)")
     out.add_argument(
-        "--table", action="store_true",
+        "--table",
+        action="store_true",
         help="cumulative FLOPs every 10%% of the run, with matched steps of OTHER (default: the preset's static model)",
     )
     out.add_argument("--json", action="store_true", help="print one JSON object")
@@ -233,11 +253,20 @@ def setup_from_flags(ns: argparse.Namespace) -> Setup:
         args = preset_args(preset, ns.shape)
         label = f"{preset} {shape_label(args)}"
     else:
-        raise ValueError(f"give --preset ({', '.join(sorted(PRESETS))}), --model FOLDER or --config FILE: "
-                         "the model to count")
+        raise ValueError(
+            f"give --preset ({', '.join(sorted(PRESETS))}), --model FOLDER or --config FILE: the model to count"
+        )
     return Setup(
-        label, args, ns.steps, schedule_from_flags(ns), ns.tokens_per_step, ns.seq_len, ns.micro_steps,
-        ns.ac_mode, preset, describe_curriculum(ns.curriculum, ns.max_mean, ns.warmup_fraction, ns.start),
+        label,
+        args,
+        ns.steps,
+        schedule_from_flags(ns),
+        ns.tokens_per_step,
+        ns.seq_len,
+        ns.micro_steps,
+        ns.ac_mode,
+        preset,
+        describe_curriculum(ns.curriculum, ns.max_mean, ns.warmup_fraction, ns.start),
     )
 
 
@@ -248,8 +277,15 @@ def setup_from_config(path: str, overrides: list[str], world_size: int) -> Setup
     label = cfg.model.path or f"{cfg.model.preset} {shape_label(run.args)}"
     r = cfg.recurrence
     return Setup(
-        f"{label} [{path}]", run.args, cfg.training.steps, run.schedule, run.tokens_per_step, run.seq_len,
-        run.micro_steps, cfg.training.ac_mode, cfg.model.preset,
+        f"{label} [{path}]",
+        run.args,
+        cfg.training.steps,
+        run.schedule,
+        run.tokens_per_step,
+        run.seq_len,
+        run.micro_steps,
+        cfg.training.ac_mode,
+        cfg.model.preset,
         describe_curriculum(r.curriculum, r.mean_recurrence, r.warmup_fraction, r.start),
     )
 
@@ -261,9 +297,11 @@ def resolve_flags(ns: argparse.Namespace, extra: list[str]) -> Setup:
     if ns.config:
         given = [f"--{k.replace('_', '-')}" for k in SCHEDULE_FLAGS if getattr(ns, k) is not None]
         if given:
-            keys = sorted({SCHEDULE_FLAGS[g[2:].replace('-', '_')] for g in given})
-            raise ValueError(f"{', '.join(given)} cannot be combined with --config: override {', '.join(keys)} "
-                             f"as --section.key VALUE instead")
+            keys = sorted({SCHEDULE_FLAGS[g[2:].replace("-", "_")] for g in given})
+            raise ValueError(
+                f"{', '.join(given)} cannot be combined with --config: override {', '.join(keys)} "
+                f"as --section.key VALUE instead"
+            )
         return setup_from_config(ns.config, extra, ns.world_size)
     if extra:
         raise ValueError(f"unrecognized arguments: {' '.join(extra)} (--section.key overrides need --config)")
@@ -286,8 +324,9 @@ def resolve_other(text: str, base: Setup, world_size: int) -> Setup:
         return replace(base, label=text, args=read_model_args(path), preset=None)
     if path.is_file():
         return setup_from_config(text, [], world_size)
-    raise ValueError(f"--match {text!r} is neither a preset ({', '.join(sorted(PRESETS))}), a model folder "
-                     f"nor a config file")
+    raise ValueError(
+        f"--match {text!r} is neither a preset ({', '.join(sorted(PRESETS))}), a model folder nor a config file"
+    )
 
 
 def static_of(base: Setup) -> Setup | None:
@@ -379,21 +418,29 @@ def print_text(out: dict) -> None:
     a = out["assumptions"]
     print(f"model: {out['model']}")
     recurrence = f", {a['curriculum']}, backprop depth {a['backprop_depth']}" if a["curriculum"] else ""
-    print(f"  assuming ({a['source']}): {a['steps']:,} steps of {a['tokens_per_step']:,} tokens (world size "
-          f"{a['world_size']}, {a['micro_steps']} micro-step(s)/step, seq_len {a['seq_len']}){recurrence}, "
-          f"ac_mode {a['ac_mode']}")
-    print(f"  params: total {params['total']:,}, non-embedding {params['non_embedding']:,} "
-          f"(prelude {params['prelude']:,}, core {params['core']:,}, coda {params['coda']:,}), "
-          f"adapter {params['adapter']:,}, embedding {params['embedding']:,}, head {params['head']:,}")
+    print(
+        f"  assuming ({a['source']}): {a['steps']:,} steps of {a['tokens_per_step']:,} tokens (world size "
+        f"{a['world_size']}, {a['micro_steps']} micro-step(s)/step, seq_len {a['seq_len']}){recurrence}, "
+        f"ac_mode {a['ac_mode']}"
+    )
+    print(
+        f"  params: total {params['total']:,}, non-embedding {params['non_embedding']:,} "
+        f"(prelude {params['prelude']:,}, core {params['core']:,}, coda {params['coda']:,}), "
+        f"adapter {params['adapter']:,}, embedding {params['embedding']:,}, head {params['head']:,}"
+    )
     at = f"at (n, k) = ({n}, {k})" if out["recurrent"] else "(static model)"
     print(f"per-token FLOPs of a training micro-step {at}, seq_len {out['seq_len']}:")
     recompute = f"  (+ recompute {bd['recompute']:.4e}, ac_mode {out['ac_mode']})" if bd["recompute"] else ""
     print(f"  forward {bd['forward']:.4e}  backward {bd['backward']:.4e}  total {bd['total']:.4e}{recompute}")
     eval_at = f" at r = {max(n + k, 1)}" if out["recurrent"] else ""
-    print(f"  eval forward{eval_at}: {out['eval_flops_per_token']:.4e}; "
-          f"paper convention at the final mean: {out['paper_flops_per_token']:.4e}")
-    print(f"cumulative training FLOPs after {out['at_step']:,} of {out['steps']:,} steps "
-          f"({out['tokens']:.4e} tokens, {out['micro_steps']} micro-step(s)/step):")
+    print(
+        f"  eval forward{eval_at}: {out['eval_flops_per_token']:.4e}; "
+        f"paper convention at the final mean: {out['paper_flops_per_token']:.4e}"
+    )
+    print(
+        f"cumulative training FLOPs after {out['at_step']:,} of {out['steps']:,} steps "
+        f"({out['tokens']:.4e} tokens, {out['micro_steps']} micro-step(s)/step):"
+    )
     print(f"  paper {out['paper_flops']:.4e}   full {out['full_flops']:.4e}")
     if "matched_steps" in out:
         m = out["matched_steps"]

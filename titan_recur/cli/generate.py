@@ -25,17 +25,21 @@ from typing import Any, NoReturn
 
 import torch
 
-from titan_recur.storage.checkpoint import CheckpointError
-from titan_recur.eval.loading import (
-    add_checkpoint_arguments, checkpoint_model_args, default_tokenizer_folder, load_checkpoint, resolve_device,
-)
-from titan_recur.inference.engine import GenerationOptions, check_prompts, generate, left_pad
-from titan_recur.storage.model_io import DTYPES, TOKENIZER_FILES
 from titan_recur.data.loader import tokenizer_probe
 from titan_recur.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
+from titan_recur.eval.loading import (
+    add_checkpoint_arguments,
+    checkpoint_model_args,
+    default_tokenizer_folder,
+    load_checkpoint,
+    resolve_device,
+)
+from titan_recur.inference.engine import GenerationOptions, check_prompts, generate, left_pad
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.cache import core_slots_per_block
 from titan_recur.models.model import RecurrentLM
+from titan_recur.storage.checkpoint import CheckpointError
+from titan_recur.storage.model_io import DTYPES, TOKENIZER_FILES
 from titan_recur.utils.limits import check_allocation, check_at_least, check_recurrence_bound, kv_cache_bytes
 
 PROG = "python -m titan_recur.generate"
@@ -53,32 +57,54 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_arguments(parser)
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", help="one prompt")
-    prompts.add_argument("--prompts", type=Path, help="JSON-lines file, one {\"prompt\": TEXT} per line")
-    parser.add_argument("--num-steps", type=int, help="core iterations per token, r (default: the model's mean_recurrence)")
+    prompts.add_argument("--prompts", type=Path, help='JSON-lines file, one {"prompt": TEXT} per line')
+    parser.add_argument(
+        "--num-steps", type=int, help="core iterations per token, r (default: the model's mean_recurrence)"
+    )
     parser.add_argument("--kv-sharing", default="full", help="full (exact), latest, or compress-N (default full)")
     parser.add_argument("--exit", dest="exit_criterion", help="adaptive exit: kl, latent-diff, entropy-diff or argmax")
-    parser.add_argument("--exit-threshold", type=float, help="exit below this value (argmax: stable for this many "
-                        "checks); default Huginn's: kl 1e-3, latent-diff 0.03, entropy-diff 1e-3, argmax 5")
+    parser.add_argument(
+        "--exit-threshold",
+        type=float,
+        help="exit below this value (argmax: stable for this many "
+        "checks); default Huginn's: kl 1e-3, latent-diff 0.03, entropy-diff 1e-3, argmax 5",
+    )
     parser.add_argument("--min-steps", type=int, default=1, help="iterations before a token may exit (default 1)")
     parser.add_argument("--check-every", type=int, default=1, help="check the exit criterion every J iterations")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default 8)")
-    parser.add_argument("--state-init", help="zero, embed, normal, or previous (warm start from the previous "
-                        "token's final state); default: the deterministic eval init")
+    parser.add_argument(
+        "--state-init",
+        help="zero, embed, normal, or previous (warm start from the previous "
+        "token's final state); default: the deterministic eval init",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="float32", help="model dtype: float32 (default) or bfloat16")
-    parser.add_argument("--compile", action="store_true",
-                        help="compile the decoded tokens' core iterations (C++ wrapper on CPU)")
-    parser.add_argument("--iterations-per-call", type=int, default=GenerationOptions.iterations_per_call,
-                        help="with --compile: core iterations per compiled call (default "
-                        f"{GenerationOptions.iterations_per_call}; fewer = shorter first compile)")
-    parser.add_argument("--draft-steps", type=int, help="speculative decoding: draft at this many core iterations, "
-                        "verify at --num-steps in one forward (greedy output is that of --num-steps)")
-    parser.add_argument("--lookahead", type=int, default=GenerationOptions.lookahead,
-                        help=f"speculative decoding: tokens per draft-and-verify round (default {GenerationOptions.lookahead})")
+    parser.add_argument(
+        "--compile", action="store_true", help="compile the decoded tokens' core iterations (C++ wrapper on CPU)"
+    )
+    parser.add_argument(
+        "--iterations-per-call",
+        type=int,
+        default=GenerationOptions.iterations_per_call,
+        help="with --compile: core iterations per compiled call (default "
+        f"{GenerationOptions.iterations_per_call}; fewer = shorter first compile)",
+    )
+    parser.add_argument(
+        "--draft-steps",
+        type=int,
+        help="speculative decoding: draft at this many core iterations, "
+        "verify at --num-steps in one forward (greedy output is that of --num-steps)",
+    )
+    parser.add_argument(
+        "--lookahead",
+        type=int,
+        default=GenerationOptions.lookahead,
+        help=f"speculative decoding: tokens per draft-and-verify round (default {GenerationOptions.lookahead})",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object (see above)")
     return parser
 
@@ -104,7 +130,9 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     try:
         content = args.prompts.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
-        raise ValueError(f"{args.prompts}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start})") from None
+        raise ValueError(
+            f"{args.prompts}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start})"
+        ) from None
     texts = []
     for number, line in enumerate(content.splitlines(), start=1):
         if not line.strip():
@@ -116,7 +144,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"{where}: not valid JSON ({err})") from None
         text = record.get("prompt") if isinstance(record, dict) else None
         if not isinstance(text, str):
-            raise ValueError(f"{where}: expected an object with a \"prompt\" string")
+            raise ValueError(f'{where}: expected an object with a "prompt" string')
         if not text.strip():
             raise ValueError(f"{where}: empty prompt")
         texts.append(text)
@@ -129,19 +157,29 @@ def check_tokenizer_matches(tokenizer: Tokenizer, given: str | None, own: Path, 
     """A --tokenizer other than the model's own must mean the same ids (as training checks prepared data): the
     same probe digest as the model folder's tokenizer, and the model's BOS/EOS ids."""
     if given is not None and any((own / name).is_file() for name in TOKENIZER_FILES[:3]):
-        if Path(given).resolve() != own.resolve() and tokenizer_probe(tokenizer) != tokenizer_probe(load_tokenizer(own)):
-            raise ValueError(f"--tokenizer {given} is not the tokenizer of {own} (its ids mean other tokens: "
-                             f"vocab {tokenizer.vocab_size} vs {load_tokenizer(own).vocab_size}); drop --tokenizer "
-                             "to use the model's own")
+        if Path(given).resolve() != own.resolve() and tokenizer_probe(tokenizer) != tokenizer_probe(
+            load_tokenizer(own)
+        ):
+            raise ValueError(
+                f"--tokenizer {given} is not the tokenizer of {own} (its ids mean other tokens: "
+                f"vocab {tokenizer.vocab_size} vs {load_tokenizer(own).vocab_size}); drop --tokenizer "
+                "to use the model's own"
+            )
     for name in ("bos_id", "eos_id"):
         if getattr(model_args, name) is not None and getattr(tokenizer, name) not in (None, getattr(model_args, name)):
-            raise ValueError(f"the tokenizer's {name} {getattr(tokenizer, name)} is not the model's "
-                             f"{getattr(model_args, name)}: a tokenizer of another vocabulary")
+            raise ValueError(
+                f"the tokenizer's {name} {getattr(tokenizer, name)} is not the model's "
+                f"{getattr(model_args, name)}: a tokenizer of another vocabulary"
+            )
 
 
 def check_generation_memory(
-    model_args: ModelArgs, options: GenerationOptions, encoded: list[list[int]], batch_size: int,
-    dtype: torch.dtype, device: torch.device,
+    model_args: ModelArgs,
+    options: GenerationOptions,
+    encoded: list[list[int]],
+    batch_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> None:
     """The largest batch's KV cache (and its returned logits) with the weights fit the device's free memory."""
     rows = min(batch_size, len(encoded))
@@ -152,19 +190,33 @@ def check_generation_memory(
     logits = rows * options.max_new_tokens * model_args.vocab_size * 4
     with torch.device("meta"):  # shapes only, no memory
         weights = sum(p.numel() for p in RecurrentLM(model_args).parameters()) * dtype.itemsize
-    check_allocation(cache + logits + weights, device,
-                     f"the KV cache of {rows} prompt(s) x {capacity} tokens at {options.num_steps} core iterations "
-                     f"(kv_sharing {options.kv_sharing}: {slots} attention slots) with the model",
-                     hint="lower --num-steps, --batch-size or --max-new-tokens, or use --kv-sharing latest")
+    check_allocation(
+        cache + logits + weights,
+        device,
+        f"the KV cache of {rows} prompt(s) x {capacity} tokens at {options.num_steps} core iterations "
+        f"(kv_sharing {options.kv_sharing}: {slots} attention slots) with the model",
+        hint="lower --num-steps, --batch-size or --max-new-tokens, or use --kv-sharing latest",
+    )
 
 
 def options_from_args(args: argparse.Namespace, eos_id: int) -> GenerationOptions:
     return GenerationOptions(
-        max_new_tokens=args.max_new_tokens, num_steps=args.num_steps, kv_sharing=args.kv_sharing,
-        exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold, min_steps=args.min_steps,
-        check_every=args.check_every, state_init=args.state_init, temperature=args.temperature, top_p=args.top_p,
-        seed=args.seed, eos_id=eos_id, compile=args.compile,
-        iterations_per_call=args.iterations_per_call, draft_steps=args.draft_steps, lookahead=args.lookahead,
+        max_new_tokens=args.max_new_tokens,
+        num_steps=args.num_steps,
+        kv_sharing=args.kv_sharing,
+        exit_criterion=args.exit_criterion,
+        exit_threshold=args.exit_threshold,
+        min_steps=args.min_steps,
+        check_every=args.check_every,
+        state_init=args.state_init,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_id=eos_id,
+        compile=args.compile,
+        iterations_per_call=args.iterations_per_call,
+        draft_steps=args.draft_steps,
+        lookahead=args.lookahead,
     )
 
 
@@ -188,8 +240,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         check_prompts(torch.ones(1, len(row)), options.max_new_tokens, model_args.max_seq_len)
     device = resolve_device(args.device)
     check_generation_memory(model_args, options, encoded, args.batch_size, DTYPES[args.dtype], device)
-    model = load_checkpoint(args.checkpoint, args.model_config, device=device, dtype=args.dtype,
-                            unverified=args.unverified)
+    model = load_checkpoint(
+        args.checkpoint, args.model_config, device=device, dtype=args.dtype, unverified=args.unverified
+    )
 
     results, cache_bytes, seconds, speculation = [], 0, 0.0, []
     for start in range(0, len(encoded), args.batch_size):
@@ -200,11 +253,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cache_bytes = max(cache_bytes, out.kv_cache_bytes)
         if out.speculation is not None:
             speculation.append(out.speculation)
-        for tokens, steps, n in zip(out.tokens.tolist(), out.steps.tolist(), out.lengths.tolist()):
+        for tokens, steps, n in zip(out.tokens.tolist(), out.steps.tolist(), out.lengths.tolist(), strict=False):
             text = tokenizer.decode([t for t in tokens[:n] if t != tokenizer.eos_id])
-            results.append({"text": text, "tokens": tokens[:n], "steps_per_token": steps[:n],
-                            "mean_steps": sum(steps[:n]) / n})
-    for text, result in zip(texts, results):
+            results.append(
+                {"text": text, "tokens": tokens[:n], "steps_per_token": steps[:n], "mean_steps": sum(steps[:n]) / n}
+            )
+    for text, result in zip(texts, results, strict=False):
         result["prompt"] = text
     n_tokens = sum(len(r["tokens"]) for r in results)
     report = {
@@ -227,8 +281,10 @@ def print_report(report: dict[str, Any]) -> None:
     for i, result in enumerate(report["prompts"]):
         print(f"### prompt {i}: {len(result['tokens'])} tokens, {result['mean_steps']:.2f} core iterations per token")
         print(result["prompt"] + result["text"])
-    print(f"### {report['tokens_per_sec']:.1f} tokens/s, mean {report['mean_steps']:.2f} iterations per token, "
-          f"KV cache {report['kv_cache_bytes'] / 2**20:.2f} MiB")
+    print(
+        f"### {report['tokens_per_sec']:.1f} tokens/s, mean {report['mean_steps']:.2f} iterations per token, "
+        f"KV cache {report['kv_cache_bytes'] / 2**20:.2f} MiB"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

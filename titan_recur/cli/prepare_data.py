@@ -106,9 +106,15 @@ def _write_shard(flat: np.ndarray, row_len: int, path: Path, labels: bool) -> No
 def _write_metadata(out: Path, tokenizer_folder: str, tokens: int, documents: int, chunk_tokens: int) -> None:
     tokenizer = load_tokenizer(tokenizer_folder)
     meta = {
-        "format": TOKENS_FORMAT_V2, "tokenizer_probe": tokenizer_probe(tokenizer), "vocab_size": tokenizer.vocab_size,
-        "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "documents": "[BOS] doc EOS, concatenated",
-        "tokens": tokens, "document_count": documents, "chunk_tokens": chunk_tokens,
+        "format": TOKENS_FORMAT_V2,
+        "tokenizer_probe": tokenizer_probe(tokenizer),
+        "vocab_size": tokenizer.vocab_size,
+        "bos_id": tokenizer.bos_id,
+        "eos_id": tokenizer.eos_id,
+        "documents": "[BOS] doc EOS, concatenated",
+        "tokens": tokens,
+        "document_count": documents,
+        "chunk_tokens": chunk_tokens,
     }
     (out / TOKENS_METADATA).write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -155,8 +161,10 @@ def check_out_folder(out: Path, force: bool) -> None:
     if not force:
         raise ValueError(f"--out {out} exists and is not empty; pass --force to replace an earlier prepare_data output")
     if not is_prepared_folder(out):
-        raise ValueError(f"refusing to replace {out} with --force: it holds files prepare_data did not write "
-                         "(only part-NNNNN.parquet and metadata.json are its own)")
+        raise ValueError(
+            f"refusing to replace {out} with --force: it holds files prepare_data did not write "
+            "(only part-NNNNN.parquet and metadata.json are its own)"
+        )
 
 
 def clear_own_output(out: Path) -> None:
@@ -168,8 +176,14 @@ def clear_own_output(out: Path) -> None:
 def prepare(args: argparse.Namespace) -> None:
     kind = args.kind
     source = DataSource(
-        name=args.path, path=args.path, kind=kind, text_field=args.text_field,
-        hf_config=args.hf_config, split=args.split, sample_by=args.sample_by, format=args.data_format,
+        name=args.path,
+        path=args.path,
+        kind=kind,
+        text_field=args.text_field,
+        hf_config=args.hf_config,
+        split=args.split,
+        sample_by=args.sample_by,
+        format=args.data_format,
     )
     if args.data_format != "text" and kind == "text":
         raise ValueError("--format prompt_completion needs records: --kind jsonl, parquet or hf")
@@ -182,8 +196,12 @@ def prepare(args: argparse.Namespace) -> None:
     row_len = args.chunk_tokens if stream else args.seq_len + 1
     shard_tokens = args.rows_per_shard * row_len
     # A shard's ids and labels (int32) are gathered in memory before it is written.
-    check_allocation(shard_tokens * 2 * 4, torch.device("cpu"), f"a shard of {args.rows_per_shard:,} rows x {row_len:,} tokens",
-                     hint="lower --rows-per-shard or --chunk-tokens")
+    check_allocation(
+        shard_tokens * 2 * 4,
+        torch.device("cpu"),
+        f"a shard of {args.rows_per_shard:,} rows x {row_len:,} tokens",
+        hint="lower --rows-per-shard or --chunk-tokens",
+    )
     if out.is_dir():
         clear_own_output(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -234,23 +252,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--path", required=True, help="Local file or glob, or a hub dataset id (--kind hf).")
     parser.add_argument("--kind", choices=["text", "jsonl", "parquet", "hf"], default="jsonl", help="Source format.")
     parser.add_argument("--text-field", default="text", help="Column or key holding the text.")
-    parser.add_argument("--format", dest="data_format", choices=DATA_FORMATS, default="text",
-                        help="'text' documents, or 'prompt_completion' records (fields prompt and completion): "
-                        "writes a labels column with -100 on the prompts (default: text).")
+    parser.add_argument(
+        "--format",
+        dest="data_format",
+        choices=DATA_FORMATS,
+        default="text",
+        help="'text' documents, or 'prompt_completion' records (fields prompt and completion): "
+        "writes a labels column with -100 on the prompts (default: text).",
+    )
     parser.add_argument("--hf-config", default=None, help="Hub dataset config name (--kind hf).")
     parser.add_argument("--split", default="train", help="Hub dataset split (--kind hf).")
     parser.add_argument(
-        "--sample-by", choices=["paragraph", "document", "line"], default="paragraph",
+        "--sample-by",
+        choices=["paragraph", "document", "line"],
+        default="paragraph",
         help="--kind text: one document per blank-line-separated paragraph, per file, or per line.",
     )
-    parser.add_argument("--seq-len", type=int, default=None,
-                        help="v1: rows of exactly seq_len + 1 tokens for this seq_len (default: v2, a token stream)")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="v1: rows of exactly seq_len + 1 tokens for this seq_len (default: v2, a token stream)",
+    )
     parser.add_argument("--chunk-tokens", type=int, default=8192, help="v2: tokens per parquet row (default 8192)")
     parser.add_argument("--out", required=True, help="Empty output folder for part-NNNNN.parquet shards.")
-    parser.add_argument("--force", action="store_true",
-                        help="Replace an earlier output of this tool in --out (never a folder with other files).")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="Replace an earlier output of this tool in --out (never a folder with other files).",
+    )
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="Tokenizer processes (default: all cores).")
-    parser.add_argument("--rows-per-shard", type=int, default=100_000, help="Rows (v1) or chunks (v2) per parquet shard.")
+    parser.add_argument(
+        "--rows-per-shard", type=int, default=100_000, help="Rows (v1) or chunks (v2) per parquet shard."
+    )
     parser.add_argument("--docs-per-task", type=int, default=512, help="Documents per task sent to a worker.")
     parser.add_argument("--max-docs", type=int, default=None, help="Stop after this many documents.")
     return parser.parse_args(argv)

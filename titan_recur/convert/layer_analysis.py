@@ -30,9 +30,6 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from titan_recur.training.validation import mean_losses, validation_loss_sums
-from titan_recur.storage.model_io import load_state_dict_into
-from titan_recur.models.model import RecurrentLM
 from titan_recur.convert.surgery import (
     ConversionError,
     ConvertOptions,
@@ -43,6 +40,9 @@ from titan_recur.convert.surgery import (
     format_layers,
     plan_layers,
 )
+from titan_recur.models.model import RecurrentLM
+from titan_recur.storage.model_io import load_state_dict_into
+from titan_recur.training.validation import mean_losses, validation_loss_sums
 
 Batch = dict[str, torch.Tensor]
 JSON_NAME = "layer_analysis.json"
@@ -77,10 +77,12 @@ def _cast(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dtype) 
 
 
 def build_model(
-    source: SourceModel, plan: LayerPlan, weights: InMemoryWeights, options: ConvertOptions = ConvertOptions()
+    source: SourceModel, plan: LayerPlan, weights: InMemoryWeights, options: ConvertOptions | None = None
 ) -> RecurrentLM:
     """The model ``tools/convert_hf.py`` would write for this plan, built in memory on the weights' device."""
-    args, state = converted_state_dict(source, plan, dataclasses.replace(options, dtype="source"), weights)
+    args, state = converted_state_dict(
+        source, plan, dataclasses.replace(options or ConvertOptions(), dtype="source"), weights
+    )
     embedding = weights.get("model.embed_tokens.weight")
     with torch.device("meta"):
         model = RecurrentLM(args)
@@ -203,9 +205,11 @@ def candidate_plans(n_layers: int, shapes: Iterable[tuple[int, int, int]]) -> li
         plan_layers(n_layers, shape)  # the shape must fit (one-line error otherwise)
         p, r, c = shape
         for start in range(p, n_layers - c - r + 1):
-            plans.append(plan_layers(
-                n_layers, prelude=range(p), core=range(start, start + r), coda=range(n_layers - c, n_layers)
-            ))
+            plans.append(
+                plan_layers(
+                    n_layers, prelude=range(p), core=range(start, start + r), coda=range(n_layers - c, n_layers)
+                )
+            )
     return plans
 
 
@@ -227,8 +231,9 @@ def angular_score(plan: LayerPlan, stats: LayerStatistics) -> float:
 
 def is_paper_placement(plan: LayerPlan) -> bool:
     """The paper's rule: the core is the R layers just before the coda."""
-    return plan.core == tuple(range(plan.n_source_layers - len(plan.coda) - len(plan.core),
-                                    plan.n_source_layers - len(plan.coda)))
+    return plan.core == tuple(
+        range(plan.n_source_layers - len(plan.coda) - len(plan.core), plan.n_source_layers - len(plan.coda))
+    )
 
 
 def convert_command(source_name: str, plan: LayerPlan) -> str:
@@ -278,9 +283,14 @@ def rank_candidates(
     rows = []
     for rank, plan in enumerate(tqdm(by_angle, desc="candidates", unit="cand", disable=not progress), start=1):
         row = {
-            "prelude": list(plan.prelude), "core": list(plan.core), "coda": list(plan.coda),
-            "dropped": list(plan.dropped), "angular_score": angular_score(plan, stats), "angular_rank": rank,
-            "paper_placement": is_paper_placement(plan), "command": convert_command(source_name, plan),
+            "prelude": list(plan.prelude),
+            "core": list(plan.core),
+            "coda": list(plan.coda),
+            "dropped": list(plan.dropped),
+            "angular_score": angular_score(plan, stats),
+            "angular_rank": rank,
+            "paper_placement": is_paper_placement(plan),
+            "command": convert_command(source_name, plan),
         }
         if rank <= measure:
             row.update(measure_candidate(source, weights, plan, batches, recurrences, seed))
@@ -314,25 +324,48 @@ def analyze(
     drop_losses = drop_one_losses(source, weights, batches, progress)
     influence = stats.block_influence()
     layers = [
-        {"layer": i, "block_influence": influence[i], "angular_distance_next": stats.angular_distance(i, 1),
-         "drop_loss": drop_losses[i], "drop_loss_increase": drop_losses[i] - source_loss,
-         "norm_in": float(stats.norms[i]), "norm_out": float(stats.norms[i + 1])}
+        {
+            "layer": i,
+            "block_influence": influence[i],
+            "angular_distance_next": stats.angular_distance(i, 1),
+            "drop_loss": drop_losses[i],
+            "drop_loss_increase": drop_losses[i] - source_loss,
+            "norm_in": float(stats.norms[i]),
+            "norm_out": float(stats.norms[i + 1]),
+        }
         for i in range(source.n_layers)
     ]
     report: dict[str, Any] = {
-        "source": source_name, "architecture": source.architecture, "n_layers": source.n_layers,
-        "tokens": stats.tokens, "source_loss": source_loss, "layers": layers,
+        "source": source_name,
+        "architecture": source.architecture,
+        "n_layers": source.n_layers,
+        "tokens": stats.tokens,
+        "source_loss": source_loss,
+        "layers": layers,
         # angular_distance[l][n - 1]: between the inputs of layers l and l + n (n = 1 .. L - l).
-        "angular_distance": [[stats.angular_distance(i, n) for n in range(1, source.n_layers - i + 1)]
-                             for i in range(source.n_layers)],
+        "angular_distance": [
+            [stats.angular_distance(i, n) for n in range(1, source.n_layers - i + 1)] for i in range(source.n_layers)
+        ],
         "most_redundant_spans": stats.most_redundant_spans(),
     }
     if plans:
         report["candidates"] = {
-            "total": len(plans), "measured": min(measure, len(plans)), "random_adapter_seed": seed,
+            "total": len(plans),
+            "measured": min(measure, len(plans)),
+            "random_adapter_seed": seed,
             "recurrences": list(recurrences),
-            "ranked": rank_candidates(source, source_name, weights, plans, stats, batches, measure=measure,
-                                      recurrences=recurrences, seed=seed, progress=progress),
+            "ranked": rank_candidates(
+                source,
+                source_name,
+                weights,
+                plans,
+                stats,
+                batches,
+                measure=measure,
+                recurrences=recurrences,
+                seed=seed,
+                progress=progress,
+            ),
         }
     return report
 
@@ -342,16 +375,22 @@ def analyze(
 
 def format_report(report: dict[str, Any], top: int = 5) -> str:
     """The tables the CLI prints."""
-    lines = [f"source loss {report['source_loss']:.4f} over {report['tokens']:,} tokens", "",
-             "layer  influence  angle(n=1)  drop-alone loss (increase)   |h_in|   |h_out|"]
+    lines = [
+        f"source loss {report['source_loss']:.4f} over {report['tokens']:,} tokens",
+        "",
+        "layer  influence  angle(n=1)  drop-alone loss (increase)   |h_in|   |h_out|",
+    ]
     for row in report["layers"]:
         lines.append(
             f"{row['layer']:>5}  {row['block_influence']:>9.5f}  {row['angular_distance_next']:>10.5f}  "
             f"{row['drop_loss']:>15.4f} ({row['drop_loss_increase']:+.4f})  "
             f"{row['norm_in']:>7.2f}  {row['norm_out']:>8.2f}"
         )
-    lines += ["", "most redundant n consecutive layers (smallest angular distance between layer l's input and l+n's)",
-              "    n  layers  angular distance"]
+    lines += [
+        "",
+        "most redundant n consecutive layers (smallest angular distance between layer l's input and l+n's)",
+        "    n  layers  angular distance",
+    ]
     for span in report["most_redundant_spans"]:
         first, last = span["layers"]
         lines.append(f"{span['n']:>5}  {format_layers(range(first, last + 1)):<6}  {span['angular_distance']:>16.5f}")
@@ -372,8 +411,11 @@ def _format_candidates(candidates: dict[str, Any], top: int) -> list[str]:
     shown = candidates["ranked"][:top]
     for rank, row in enumerate(shown, start=1):
         measured = "loss_identity_r1" in row
-        losses = (f"{row['loss_identity_r1']:>11.4f}  " + "  ".join(
-            f"{row['loss_random'][str(r)]:>10.4f}" for r in rs)) if measured else "not measured"
+        losses = (
+            (f"{row['loss_identity_r1']:>11.4f}  " + "  ".join(f"{row['loss_random'][str(r)]:>10.4f}" for r in rs))
+            if measured
+            else "not measured"
+        )
         mark = " *" if row["paper_placement"] else ""
         lines.append(
             f"{rank:>4}  {format_layers(row['prelude']):<7}  {format_layers(row['core']):<8}  "
@@ -420,8 +462,9 @@ def plot_report(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
     for i, row in enumerate(report["angular_distance"]):
         grid[i, : len(row)] = torch.tensor(row)
     fig, ax = plt.subplots(figsize=(5.5, 4.5), dpi=120)
-    image = ax.imshow(grid.numpy(), origin="lower", aspect="auto", cmap="viridis",
-                      extent=(0.5, n_layers + 0.5, -0.5, n_layers - 0.5))
+    image = ax.imshow(
+        grid.numpy(), origin="lower", aspect="auto", cmap="viridis", extent=(0.5, n_layers + 0.5, -0.5, n_layers - 0.5)
+    )
     fig.colorbar(image, ax=ax, label=r"angular distance $d(h_l, h_{l+n})$")
     ax.set_xlabel("span n (layers dropped)")
     ax.set_ylabel("first layer l")

@@ -24,19 +24,21 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from titan_recur.training.cost_model import param_counts
 from titan_recur.models.args import ModelArgs
+from titan_recur.models.model import RecurrentLM, init_identity_adapter
+from titan_recur.models.rope import SUPPORTED_ROPE_TYPES
 from titan_recur.storage.model_io import (
     CONFIG_NAME,
-    DTYPES as MODEL_DTYPES,
     WEIGHTS_NAME,
     check_output_folder,
     savable_state_dict,
     write_atomically,
     write_model_folder,
 )
-from titan_recur.models.model import RecurrentLM, init_identity_adapter
-from titan_recur.models.rope import SUPPORTED_ROPE_TYPES
+from titan_recur.storage.model_io import (
+    DTYPES as MODEL_DTYPES,
+)
+from titan_recur.training.cost_model import param_counts
 from titan_recur.utils.progress import progress
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Olmo2ForCausalLM": "olmo2"}
@@ -377,7 +379,10 @@ def source_tensor_names(targets: Iterable[str], plan: LayerPlan, source_tied: bo
 
 
 def _check_weights(
-    weights: SourceWeights, names: dict[str, str | None], shapes: dict[str, tuple[int, ...]], source: SourceModel,
+    weights: SourceWeights,
+    names: dict[str, str | None],
+    shapes: dict[str, tuple[int, ...]],
+    source: SourceModel,
     tie: bool,
 ) -> None:
     """Every needed source tensor exists with the right shape; tying needs equal embedding and head."""
@@ -438,8 +443,12 @@ def convert(
     if dry_run:
         return args
     state = _converted_state(weights, names, args, options)
-    provenance = {"source": source_name or str(source.folder), "architecture": source.architecture,
-                  "n_source_layers": source.n_layers, "options": dataclasses.asdict(options)}
+    provenance = {
+        "source": source_name or str(source.folder),
+        "architecture": source.architecture,
+        "n_source_layers": source.n_layers,
+        "options": dataclasses.asdict(options),
+    }
     write_atomically(output, lambda tmp: _write_folder(tmp, args, state, source.folder, provenance), kind="conversion")
     return args
 

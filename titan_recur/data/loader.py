@@ -47,8 +47,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titan_recur.config import Data, DataSource
-from titan_recur.models.loss import IGNORE_INDEX
 from titan_recur.data.tokenizer import Tokenizer
+from titan_recur.models.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,9 @@ def _source_files(s: DataSource) -> list[str]:
 # rows of exactly seq_len + 1 tokens.
 TOKENS_METADATA = "metadata.json"
 TOKENS_FORMAT_V2 = "titan_recur.tokens/v2"
-_TOKENIZER_PROBE = "The quick brown fox jumps over the lazy dog.\n3 + 4 = 7; x^2 - 1 = (x - 1)(x + 1).  Gr\u00fc\u00dfe!"
+_TOKENIZER_PROBE = (
+    "The quick brown fox jumps over the lazy dog.\n3 + 4 = 7; x^2 - 1 = (x - 1)(x + 1).  Gr\u00fc\u00dfe!"
+)
 
 
 def tokenizer_probe(tokenizer: Tokenizer) -> str:
@@ -149,11 +151,19 @@ def open_source(s: DataSource) -> datasets.IterableDataset:
     try:
         if s.kind == "hf":
             try:
-                ds = datasets.load_dataset(s.path, name=s.hf_config, split=s.split, streaming=True,
-                                           revision=s.revision, data_files=s.data_files or None)
+                ds = datasets.load_dataset(
+                    s.path,
+                    name=s.hf_config,
+                    split=s.split,
+                    streaming=True,
+                    revision=s.revision,
+                    data_files=s.data_files or None,
+                )
             except (OSError, ValueError, FileNotFoundError) as err:  # offline, no such dataset, no such split
-                raise ValueError(f"data source {s.name or s.path!r} ({s.kind} {s.path}) cannot be read: "
-                                 f"{type(err).__name__}: {_first_line(err)}") from None
+                raise ValueError(
+                    f"data source {s.name or s.path!r} ({s.kind} {s.path}) cannot be read: "
+                    f"{type(err).__name__}: {_first_line(err)}"
+                ) from None
         else:
             kwargs = {"sample_by": s.sample_by} if s.kind == "text" else {}
             files = _source_files(s)
@@ -206,8 +216,10 @@ def check_text(doc: Any, s: DataSource) -> None:
     if isinstance(doc, tuple):
         for name, value in zip((s.prompt_field, s.completion_field), doc, strict=True):
             if value is None:
-                raise DataError(f"data source {s.name or s.path!r}: a record without the {name!r} field "
-                                f"(format 'prompt_completion' needs {s.prompt_field!r} and {s.completion_field!r})")
+                raise DataError(
+                    f"data source {s.name or s.path!r}: a record without the {name!r} field "
+                    f"(format 'prompt_completion' needs {s.prompt_field!r} and {s.completion_field!r})"
+                )
             _check_string(value, name, s)
     elif doc is not None:
         _check_string(doc, s.text_field, s)
@@ -558,7 +570,7 @@ class PackedDataset(IterableDataset):
         u = np.random.default_rng([self.seed, self.dp_rank, _SPLITS.index(self.split), row]).random()
         keys, cum = phase.keys, phase.cum_weights
         if exhausted:
-            left = [(k, w) for k, w in zip(keys, np.diff([0.0, *cum])) if k not in exhausted]
+            left = [(k, w) for k, w in zip(keys, np.diff([0.0, *cum]), strict=False) if k not in exhausted]
             if not left:
                 return None
             keys = [k for k, _ in left]
@@ -573,7 +585,8 @@ class PackedDataset(IterableDataset):
             count=self.dp_world * workers,
             validation=self.split == "validation",
             # A dedicated validation split is read whole; the training split still skips the held-out hashes.
-            validation_fraction=0.0 if self.split == "validation" and self.cfg.validation_sources
+            validation_fraction=0.0
+            if self.split == "validation" and self.cfg.validation_sources
             else self.cfg.validation_fraction,
             single_pass=self.single_pass,
             seed=self.seed,
@@ -687,7 +700,7 @@ class DataLoader(StatefulDataLoader):
         logger.warning(f"data: restarting every source at epoch {epoch} from step {step} ({self.geometry})")
         dataset = self.dataset
         dataset.start_row = step * dataset.rows_per_step
-        fresh = {"epoch": epoch, "epoch_docs": 0, "batch_state": None, "pos": 0, "buffer": []}
+        fresh = {"epoch": epoch, "epoch_docs": 0, "batch_state": None, "pos": 0, "buffer": []}  # type: ignore[var-annotated]
         dataset.load_state_dict({_STATE_KEY: 1, "rows": 0, "streams": {k: dict(fresh) for k in dataset.sources}})
         super().load_state_dict({})
 
@@ -735,18 +748,24 @@ def heldout_documents(cfg: Data) -> Iterator[str | tuple[str, str]]:
     documents read per document yielded).
     """
     if cfg.validation_fraction <= 0 and not cfg.validation_sources:
-        raise ValueError("the config has no validation split: set data.validation_fraction > 0 or "
-                         "[[data.validation_sources]]")
+        raise ValueError(
+            "the config has no validation split: set data.validation_fraction > 0 or [[data.validation_sources]]"
+        )
     sources = _phases(cfg, "validation")[0][1]
     tokenized = [s.name or s.path for s in sources if s.kind == "tokenized"]
     if tokenized:
-        raise ValueError(f"data source(s) {tokenized} hold pre-tokenized rows, not documents: "
-                         "evaluate them with `eval loss --config`")
-    reader = _Reader(0, 1, validation=True,
-                     validation_fraction=0.0 if cfg.validation_sources else cfg.validation_fraction)
+        raise ValueError(
+            f"data source(s) {tokenized} hold pre-tokenized rows, not documents: "
+            "evaluate them with `eval loss --config`"
+        )
+    reader = _Reader(
+        0, 1, validation=True, validation_fraction=0.0 if cfg.validation_sources else cfg.validation_fraction
+    )
     if len({s.format for s in sources}) > 1:
-        raise ValueError("the validation split mixes text documents and prompt-completion records: one file "
-                         "cannot hold both; evaluate them with `eval loss --config`")
+        raise ValueError(
+            "the validation split mixes text documents and prompt-completion records: one file "
+            "cannot hold both; evaluate them with `eval loss --config`"
+        )
     streams = [_first_documents(s) for s in sources]
     while streams:
         for stream in list(streams):

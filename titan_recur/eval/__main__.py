@@ -22,13 +22,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from titan_recur.storage.checkpoint import CheckpointError
 from titan_recur.config import DATA_FORMATS as FORMATS
 from titan_recur.eval.loading import add_checkpoint_arguments
 from titan_recur.models.args import STATE_INITS
+from titan_recur.storage.checkpoint import CheckpointError
 from titan_recur.storage.model_io import check_output_files
 from titan_recur.utils.limits import (
-    check_allocation, check_at_least, check_recurrence_bound, check_seq_len, forward_bytes,
+    check_allocation,
+    check_at_least,
+    check_recurrence_bound,
+    check_seq_len,
+    forward_bytes,
 )
 from titan_recur.utils.resources import project_folder
 
@@ -61,8 +65,11 @@ def check_out(out: Path, files: list[str], force: bool, is_own, kind: str) -> No
 
 
 def add_force(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument("--force", action="store_true", help=f"replace {what} of an earlier run of this command "
-                        "(never a file of another kind)")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help=f"replace {what} of an earlier run of this command (never a file of another kind)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,22 +82,45 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_arguments(loss)
     data = loss.add_mutually_exclusive_group(required=True)
     data.add_argument("--data", help="held-out file or glob: .jsonl/.json, .parquet, else plain text; read once")
-    data.add_argument("--config", help="train config TOML (or a run's config.json): its validation split, with "
-                      "the in-loop validation's geometry as defaults")
+    data.add_argument(
+        "--config",
+        help="train config TOML (or a run's config.json): its validation split, with "
+        "the in-loop validation's geometry as defaults",
+    )
     loss.add_argument("--text-field", default="text", help="jsonl/parquet field holding the text (default: text)")
-    loss.add_argument("--format", dest="data_format", choices=FORMATS, default="text",
-                      help="--data records: 'text' (loss on every token) or 'prompt_completion' (fields prompt and "
-                      "completion; the loss on the completion only, e.g. a task's answers) (default: text)")
-    loss.add_argument("--recurrences", type=parse_ints, default=parse_ints(DEFAULT_RECURRENCES),
-                      help=f"test recurrences (default {DEFAULT_RECURRENCES})")
-    loss.add_argument("--batches", type=int, help="batches per rank (default: --config's validation.steps; with "
-                      "--data every document, once)")
-    loss.add_argument("--batch-size", type=int, help="rows per batch (default: --config's training.local_batch_size, "
-                      f"else {DATA_BATCH_SIZE})")
-    loss.add_argument("--seq-len", type=int, help="tokens per row (default: --config's training.seq_len, "
-                      f"else {DATA_SEQ_LEN})")
-    loss.add_argument("--data-ranks", type=int, default=1,
-                      help="read the rows the in-loop validation reads on this many data-parallel ranks (default 1)")
+    loss.add_argument(
+        "--format",
+        dest="data_format",
+        choices=FORMATS,
+        default="text",
+        help="--data records: 'text' (loss on every token) or 'prompt_completion' (fields prompt and "
+        "completion; the loss on the completion only, e.g. a task's answers) (default: text)",
+    )
+    loss.add_argument(
+        "--recurrences",
+        type=parse_ints,
+        default=parse_ints(DEFAULT_RECURRENCES),
+        help=f"test recurrences (default {DEFAULT_RECURRENCES})",
+    )
+    loss.add_argument(
+        "--batches",
+        type=int,
+        help="batches per rank (default: --config's validation.steps; with --data every document, once)",
+    )
+    loss.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"rows per batch (default: --config's training.local_batch_size, else {DATA_BATCH_SIZE})",
+    )
+    loss.add_argument(
+        "--seq-len", type=int, help=f"tokens per row (default: --config's training.seq_len, else {DATA_SEQ_LEN})"
+    )
+    loss.add_argument(
+        "--data-ranks",
+        type=int,
+        default=1,
+        help="read the rows the in-loop validation reads on this many data-parallel ranks (default 1)",
+    )
     loss.add_argument("--out", required=True, type=Path, help="output folder for validation_loss.{json,png}")
     add_force(loss, "validation_loss.{json,png}")
     _add_model_options(loss)
@@ -99,97 +129,161 @@ def build_parser() -> argparse.ArgumentParser:
     source = heldout.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="train config TOML (or a run's config.json): its validation split")
     source.add_argument("--data", help="any source, read whole: a file/glob, or a hub dataset id with --kind hf")
-    heldout.add_argument("--kind", default=None, choices=["text", "jsonl", "parquet", "hf"],
-                         help="format of --data (default: from the file suffix)")
+    heldout.add_argument(
+        "--kind",
+        default=None,
+        choices=["text", "jsonl", "parquet", "hf"],
+        help="format of --data (default: from the file suffix)",
+    )
     heldout.add_argument("--hf-config", help="hub dataset config of --data")
     heldout.add_argument("--split", default="train", help="split of --data (default train)")
     heldout.add_argument("--text-field", default="text", help="field holding the text (default: text)")
-    heldout.add_argument("--format", dest="data_format", choices=FORMATS, default="text",
-                         help="records of --data: 'text' or 'prompt_completion' (fields prompt, completion), "
-                         "written in the same format (default: text)")
+    heldout.add_argument(
+        "--format",
+        dest="data_format",
+        choices=FORMATS,
+        default="text",
+        help="records of --data: 'text' or 'prompt_completion' (fields prompt, completion), "
+        "written in the same format (default: text)",
+    )
     heldout.add_argument("--documents", type=int, required=True, help="number of documents to write")
-    heldout.add_argument("--out", required=True, type=Path, help="jsonl file to write ({\"text\": ...} per line)")
+    heldout.add_argument("--out", required=True, type=Path, help='jsonl file to write ({"text": ...} per line)')
     add_force(heldout, "the jsonl file")
 
     harness = commands.add_parser("harness", help="lm-eval-harness tasks at each test recurrence, one model load")
-    harness.add_argument("--model-args", "--model_args", required=True,
-                         help="titan_recur model args, e.g. pretrained=PATH,batch_size=16,max_gen_toks=256; "
-                         "generation depth: kv_sharing=full|latest|compress-N, exit_criterion=kl|latent-diff|"
-                         "entropy-diff|argmax, exit_threshold, min_steps, check_every (docs/generation.md)")
+    harness.add_argument(
+        "--model-args",
+        "--model_args",
+        required=True,
+        help="titan_recur model args, e.g. pretrained=PATH,batch_size=16,max_gen_toks=256; "
+        "generation depth: kv_sharing=full|latest|compress-N, exit_criterion=kl|latent-diff|"
+        "entropy-diff|argmax, exit_threshold, min_steps, check_every (docs/generation.md)",
+    )
     harness.add_argument("--tasks", required=True, help="comma-separated task names, globs or YAML files")
-    harness.add_argument("--recurrences", type=parse_ints, help="test recurrences (default: num_steps of model_args, "
-                         "else the model's mean_recurrence)")
-    harness.add_argument("--exit-thresholds", type=parse_floats,
-                         help="also sweep these adaptive-exit thresholds (needs exit_criterion in --model-args)")
-    harness.add_argument("--include-path", "--include_path", action="append", default=[],
-                         help=f"extra task folder (repeatable); {PROJECT_TASKS} is always included")
-    harness.add_argument("--num-fewshot", "--num_fewshot", type=int, help="override the tasks' number of few-shot examples")
+    harness.add_argument(
+        "--recurrences",
+        type=parse_ints,
+        help="test recurrences (default: num_steps of model_args, else the model's mean_recurrence)",
+    )
+    harness.add_argument(
+        "--exit-thresholds",
+        type=parse_floats,
+        help="also sweep these adaptive-exit thresholds (needs exit_criterion in --model-args)",
+    )
+    harness.add_argument(
+        "--include-path",
+        "--include_path",
+        action="append",
+        default=[],
+        help=f"extra task folder (repeatable); {PROJECT_TASKS} is always included",
+    )
+    harness.add_argument(
+        "--num-fewshot", "--num_fewshot", type=int, help="override the tasks' number of few-shot examples"
+    )
     harness.add_argument("--limit", type=float, help="examples per task (a fraction if < 1); for testing only")
     harness.add_argument("--log-samples", "--log_samples", action="store_true", help="also write per-sample outputs")
-    harness.add_argument("--out", required=True, type=Path,
-                         help="output folder for results_r*.json, table.{json,md}, compute_curve.png and "
-                         "accuracy_vs_r.png (without --exit-thresholds)")
+    harness.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="output folder for results_r*.json, table.{json,md}, compute_curve.png and "
+        "accuracy_vs_r.png (without --exit-thresholds)",
+    )
     add_force(harness, "the results and tables")
 
-    commands.add_parser("lm_eval", add_help=False,
-                        help="lm_eval's own command line (all its options), with --model titan_recur registered")
+    commands.add_parser(
+        "lm_eval",
+        add_help=False,
+        help="lm_eval's own command line (all its options), with --model titan_recur registered",
+    )
     return parser
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="model dtype (default float32)")
-    parser.add_argument("--state-init", choices=STATE_INITS,
-                        help="initial recurrent state (default: deterministic, zero; 'embed' models keep embed)")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype (default float32)"
+    )
+    parser.add_argument(
+        "--state-init",
+        choices=STATE_INITS,
+        help="initial recurrent state (default: deterministic, zero; 'embed' models keep embed)",
+    )
 
 
 def run_loss(args: argparse.Namespace) -> None:
+    from titan_recur.data.tokenizer import check_vocab, load_tokenizer
     from titan_recur.eval.loading import (
-        checkpoint_model_args, default_tokenizer_folder, load_checkpoint, resolve_device,
+        checkpoint_model_args,
+        default_tokenizer_folder,
+        load_checkpoint,
+        resolve_device,
+    )
+    from titan_recur.eval.sweep import (
+        JSON_NAME,
+        PLOT_NAME,
+        heldout_batches,
+        is_loss_report,
+        loss_sweep,
+        rows_settings,
+        write_report,
     )
     from titan_recur.training.validation import check_recurrences
-    from titan_recur.eval.sweep import (
-        JSON_NAME, PLOT_NAME, heldout_batches, is_loss_report, loss_sweep, rows_settings, write_report,
-    )
-    from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 
     recurrences = check_recurrences(args.recurrences)
     check_recurrence_bound(recurrences)
     check_out(args.out, [JSON_NAME, PLOT_NAME], args.force, is_loss_report, "an eval loss report")
     for name in ("seq_len", "batches", "batch_size", "data_ranks"):
         check_at_least(getattr(args, name), f"--{name.replace('_', '-')}")
-    settings, in_loop = rows_settings(args.config, args.batches, args.batch_size, args.seq_len, args.data_ranks,
-                                      DATA_BATCH_SIZE, DATA_SEQ_LEN)
+    settings, in_loop = rows_settings(
+        args.config, args.batches, args.batch_size, args.seq_len, args.data_ranks, DATA_BATCH_SIZE, DATA_SEQ_LEN
+    )
     device = resolve_device(args.device)
     model_args = checkpoint_model_args(args.checkpoint, args.model_config)
     check_rows(settings, model_args, args.dtype, device)
-    model = load_checkpoint(args.checkpoint, args.model_config, device=device, dtype=args.dtype,
-                            unverified=args.unverified)
+    model = load_checkpoint(
+        args.checkpoint, args.model_config, device=device, dtype=args.dtype, unverified=args.unverified
+    )
     tokenizer = load_tokenizer(args.tokenizer or default_tokenizer_folder(args.checkpoint, args.model_config))
     check_vocab(tokenizer, model.args.vocab_size)
     batches = heldout_batches(
-        tokenizer, seq_len=settings["seq_len"], batch_size=settings["batch_size"], num_batches=settings["batches"],
-        data=args.data, text_field=args.text_field, config=args.config, ranks=settings["data_ranks"],
+        tokenizer,
+        seq_len=settings["seq_len"],
+        batch_size=settings["batch_size"],
+        num_batches=settings["batches"],
+        data=args.data,
+        text_field=args.text_field,
+        config=args.config,
+        ranks=settings["data_ranks"],
         data_format=args.data_format,
     )
     most = None if settings["batches"] is None else settings["batches"] * settings["data_ranks"]
     report = loss_sweep(model, batches, recurrences, device, args.state_init, num_batches=most)
-    report.update(checkpoint=str(args.checkpoint), data=args.data or f"{args.config} (validation split)",
-                  dtype=args.dtype, **settings, in_loop_validation=in_loop)
+    report.update(
+        checkpoint=str(args.checkpoint),
+        data=args.data or f"{args.config} (validation split)",
+        dtype=args.dtype,
+        **settings,
+        in_loop_validation=in_loop,
+    )
     json_path, plot_path = write_report(report, args.out, title=str(args.checkpoint))
     for r in recurrences:
         print(f"r={r:<4d} loss {report['loss'][str(r)]:.4f}")
     print(describe_rows(report))
     if in_loop is not None:
-        print(f"in-loop validation of {args.config}: {in_loop['batches']} batches x {in_loop['batch_size']} rows x "
-              f"{in_loop['seq_len']} tokens on each rank, r in {in_loop['recurrences']}, every "
-              f"{in_loop['interval']} steps ({'on' if in_loop['enable'] else 'off'}); the same rows with "
-              f"--data-ranks <the run's ranks>")
+        print(
+            f"in-loop validation of {args.config}: {in_loop['batches']} batches x {in_loop['batch_size']} rows x "
+            f"{in_loop['seq_len']} tokens on each rank, r in {in_loop['recurrences']}, every "
+            f"{in_loop['interval']} steps ({'on' if in_loop['enable'] else 'off'}); the same rows with "
+            f"--data-ranks <the run's ranks>"
+        )
     asked = None if settings["batches"] is None else settings["batches"] * settings["data_ranks"]
     if asked is not None and report["batches_read"] < asked:
-        print(f"python -m titan_recur.eval loss: warning: the data gave {report['batches_read']} batches of the "
-              f"{asked} asked (every document read once)", file=sys.stderr)
+        print(
+            f"python -m titan_recur.eval loss: warning: the data gave {report['batches_read']} batches of the "
+            f"{asked} asked (every document read once)",
+            file=sys.stderr,
+        )
     print(f"wrote {json_path} and {plot_path}")
 
 
@@ -199,19 +293,26 @@ def check_rows(settings: dict, model_args, dtype: str, device) -> None:
 
     check_seq_len(settings["seq_len"], model_args.max_seq_len)
     element = DTYPES[dtype].itemsize
-    weights = model_args.vocab_size * model_args.dim * 2 + (model_args.n_prelude + model_args.n_core + model_args.n_coda) * (
-        4 * model_args.dim * model_args.n_heads * model_args.head_dim + 3 * model_args.dim * model_args.ffn_dim)
+    weights = model_args.vocab_size * model_args.dim * 2 + (
+        model_args.n_prelude + model_args.n_core + model_args.n_coda
+    ) * (4 * model_args.dim * model_args.n_heads * model_args.head_dim + 3 * model_args.dim * model_args.ffn_dim)
     batch = forward_bytes(settings["batch_size"], settings["seq_len"], model_args.dim, model_args.ffn_dim, element)
-    check_allocation(weights * element + batch, device, f"a batch of {settings['batch_size']} x {settings['seq_len']} "
-                     "tokens with the model", hint="lower --batch-size or --seq-len")
+    check_allocation(
+        weights * element + batch,
+        device,
+        f"a batch of {settings['batch_size']} x {settings['seq_len']} tokens with the model",
+        hint="lower --batch-size or --seq-len",
+    )
 
 
 def describe_rows(report: dict) -> str:
     """What was evaluated: the real counts, and the geometry asked for."""
     asked = "all" if report["batches"] is None else report["batches"]
-    return (f"evaluated {report['tokens']:,} labelled tokens: {report['batches_read']} batches, {report['rows_read']} "
-            f"rows (asked: {asked} batches x {report['batch_size']} rows x {report['seq_len']} tokens per rank, "
-            f"{report['data_ranks']} rank(s))")
+    return (
+        f"evaluated {report['tokens']:,} labelled tokens: {report['batches_read']} batches, {report['rows_read']} "
+        f"rows (asked: {asked} batches x {report['batch_size']} rows x {report['seq_len']} tokens per rank, "
+        f"{report['data_ranks']} rank(s))"
+    )
 
 
 def run_heldout(args: argparse.Namespace) -> None:
@@ -225,13 +326,22 @@ def run_heldout(args: argparse.Namespace) -> None:
         data, what = load_config(args.config).data, f"the validation split of {args.config}"
     else:
         kind = args.kind or data_source(args.data).sources[0].kind
-        source = DataSource(name=args.data, path=args.data, kind=kind, text_field=args.text_field,
-                            hf_config=args.hf_config, split=args.split, format=args.data_format)
+        source = DataSource(
+            name=args.data,
+            path=args.data,
+            kind=kind,
+            text_field=args.text_field,
+            hf_config=args.hf_config,
+            split=args.split,
+            format=args.data_format,
+        )
         data, what = Data(validation_sources=[source]), args.data
     written = write_documents(heldout_documents(data), args.out, args.documents)
     if written < args.documents:
-        print(f"python -m titan_recur.eval heldout: warning: {what} has {written} documents, "
-              f"{args.documents} asked", file=sys.stderr)
+        print(
+            f"python -m titan_recur.eval heldout: warning: {what} has {written} documents, {args.documents} asked",
+            file=sys.stderr,
+        )
     print(f"wrote {written} documents of {what} to {args.out}")
 
 
@@ -242,7 +352,16 @@ def run_harness(args: argparse.Namespace) -> None:
     except ImportError:
         raise ImportError("the harness needs lm-eval-harness: pip install -e '.[eval]'") from None
     from titan_recur.eval.harness import (
-        CURVE_PNG, TABLE_JSON, TABLE_MD, check_task_data, is_harness_output, check_tasks, harness_sweep, markdown_table, plot_accuracy, results_table,
+        CURVE_PNG,
+        TABLE_JSON,
+        TABLE_MD,
+        check_task_data,
+        check_tasks,
+        harness_sweep,
+        is_harness_output,
+        markdown_table,
+        plot_accuracy,
+        results_table,
         write_results,
     )
     from titan_recur.eval.lm_eval_model import TitanRecurLM
@@ -259,8 +378,14 @@ def run_harness(args: argparse.Namespace) -> None:
     except TypeError as err:  # an unknown key in --model_args
         raise ValueError(f"bad --model_args {args.model_args!r}: {err}") from None
     results = harness_sweep(
-        lm, tasks, args.recurrences or [lm.num_steps], task_manager, exit_thresholds=args.exit_thresholds,
-        num_fewshot=args.num_fewshot, limit=args.limit, log_samples=args.log_samples,
+        lm,
+        tasks,
+        args.recurrences or [lm.num_steps],
+        task_manager,
+        exit_thresholds=args.exit_thresholds,
+        num_fewshot=args.num_fewshot,
+        limit=args.limit,
+        log_samples=args.log_samples,
     )
     table_json, table_md = write_results(results, args.out)
     figures = [args.out / CURVE_PNG]
@@ -283,8 +408,9 @@ def check_harness_model(model_args: dict) -> None:
 
 def run_lm_eval(argv: list[str]) -> None:
     """lm_eval 0.4.13 discovers no plugins: register the model, then hand the arguments to lm_eval's CLI."""
-    import titan_recur.eval.lm_eval_model  # noqa: F401  (registers "titan_recur")
     from lm_eval.__main__ import cli_evaluate
+
+    import titan_recur.eval.lm_eval_model  # noqa: F401  (registers "titan_recur")
 
     saved, sys.argv = sys.argv, ["lm_eval", *argv]
     try:

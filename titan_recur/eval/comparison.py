@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from titan_recur.storage.checkpoint import read_metadata, scan_checkpoints
 from titan_recur.config import JobConfig, load_config
-from titan_recur.training.cost_model import CONVENTIONS, TrainingRun, config_training_run
+from titan_recur.storage.checkpoint import read_metadata, scan_checkpoints
 from titan_recur.storage.model_io import read_model_args
+from titan_recur.training.cost_model import CONVENTIONS, TrainingRun, config_training_run
 from titan_recur.utils.plots import figure_vs_r, pyplot, save_figure
 
 CONFIG_NAME, METRICS_NAME, FINAL_MODEL = "config.json", "metrics.jsonl", "final_model"
@@ -80,8 +80,9 @@ def train_records(folder: Path) -> list[dict[str, Any]]:
     return [r for r in records if "loss" in r and "tokens_seen" in r]
 
 
-def read_run(folder: str | Path, *, world_size: int | None = None, label: str | None = None,
-             checkpoints: bool = False) -> Run:
+def read_run(
+    folder: str | Path, *, world_size: int | None = None, label: str | None = None, checkpoints: bool = False
+) -> Run:
     """A run folder's config, progress, world size and the models to evaluate; ValueError if unusable.
 
     Progress is the last step the run logged or checkpointed. The world size (it sets the micro-steps
@@ -94,7 +95,7 @@ def read_run(folder: str | Path, *, world_size: int | None = None, label: str | 
         raise ValueError(f"{folder}: not a training run (no {CONFIG_NAME}; the trainer writes it at start)")
     cfg = load_config(str(folder / CONFIG_NAME))
     final = folder / FINAL_MODEL
-    final = final if (final / "config.json").is_file() else None
+    final = final if (final / "config.json").is_file() else None  # type: ignore[assignment]
     ckpt_folder = folder / cfg.checkpoint.folder
     steps = scan_checkpoints(ckpt_folder).complete
     records = train_records(folder)
@@ -103,21 +104,27 @@ def read_run(folder: str | Path, *, world_size: int | None = None, label: str | 
         raise ValueError(f"{folder}: no progress yet (no {METRICS_NAME} records, checkpoints or {FINAL_MODEL})")
     saved_world = checkpoint_world_size(ckpt_folder / f"step-{steps[-1]}") if steps else None
     if world_size is not None and saved_world is not None and world_size != saved_world:
-        raise ValueError(f"{folder}: its checkpoints were written by {saved_world} rank(s), --world-size says {world_size}")
+        raise ValueError(
+            f"{folder}: its checkpoints were written by {saved_world} rank(s), --world-size says {world_size}"
+        )
     world_size = world_size or saved_world or 1
     flops = config_training_run(cfg, world_size, read_model_args(final) if final else None)
     _check_tokens_per_step(folder, records, flops.tokens_per_step, cfg.training.max_skipped_steps)
     run = Run(folder, label or folder.name, cfg, flops, world_size, progress)
     model_config = final or (Path(cfg.model.path) if cfg.model.path else None)
     chosen = steps if checkpoints else ([] if final else steps[-1:])
-    run.points = [EvalPoint(s, ckpt_folder / f"step-{s}", model_config) for s in chosen if not (final and s == progress)]
+    run.points = [
+        EvalPoint(s, ckpt_folder / f"step-{s}", model_config) for s in chosen if not (final and s == progress)
+    ]
     if final:
         run.points.append(EvalPoint(progress, final))
     if not run.points:
         raise ValueError(f"{folder}: nothing to evaluate (no {FINAL_MODEL} and no complete checkpoint)")
     if any(p.model_config is not None and not (p.model_config / "config.json").is_file() for p in run.points):
-        raise ValueError(f"{folder}: its checkpoints need a model folder for their architecture; "
-                         f"neither {FINAL_MODEL}/ nor model.path {cfg.model.path} has a config.json")
+        raise ValueError(
+            f"{folder}: its checkpoints need a model folder for their architecture; "
+            f"neither {FINAL_MODEL}/ nor model.path {cfg.model.path} has a config.json"
+        )
     return run
 
 
@@ -175,18 +182,23 @@ def task_manager(settings: EvalSettings):
 
     files_only = bool(settings.tasks) and all(Path(t).is_file() for t in settings.tasks)
     folders = sorted({str(Path(t).resolve().parent) for t in settings.tasks}) if files_only else []
-    return TaskManager(include_path=[str(PROJECT_TASKS), *folders, *settings.include_path],
-                       include_defaults=not files_only)
+    return TaskManager(
+        include_path=[str(PROJECT_TASKS), *folders, *settings.include_path], include_defaults=not files_only
+    )
 
 
-def evaluate_point(run: Run, point: EvalPoint, settings: EvalSettings, tasks_index: Any,
-                   advance: Callable[[], None]) -> dict[str, dict[str, Any]]:
+def evaluate_point(
+    run: Run, point: EvalPoint, settings: EvalSettings, tasks_index: Any, advance: Callable[[], None]
+) -> dict[str, dict[str, Any]]:
     """{str(r): {"loss": float, "tasks": {task: {metric: value}}}} for one model, loaded once."""
     from titan_recur.eval.lm_eval_model import TitanRecurLM
 
     lm = TitanRecurLM(
-        pretrained=str(point.path), model_config=str(point.model_config) if point.model_config else None,
-        batch_size=settings.batch_size, device=settings.device, max_gen_toks=settings.max_gen_toks,
+        pretrained=str(point.path),
+        model_config=str(point.model_config) if point.model_config else None,
+        batch_size=settings.batch_size,
+        device=settings.device,
+        max_gen_toks=settings.max_gen_toks,
     )
     batches = _loss_batches(lm, run, settings) if settings.data else None
     results = {}
@@ -206,26 +218,37 @@ def evaluate_point(run: Run, point: EvalPoint, settings: EvalSettings, tasks_ind
 def _loss_batches(lm: Any, run: Run, settings: EvalSettings) -> list:
     from titan_recur.eval.sweep import heldout_batches
 
-    return list(heldout_batches(
-        lm.tokenizer, seq_len=settings.seq_len or run.config.training.seq_len, batch_size=settings.loss_batch_size,
-        num_batches=settings.loss_batches, data=settings.data, text_field=settings.text_field,
-        data_format=settings.data_format,
-    ))
+    return list(
+        heldout_batches(
+            lm.tokenizer,
+            seq_len=settings.seq_len or run.config.training.seq_len,
+            batch_size=settings.loss_batch_size,
+            num_batches=settings.loss_batches,
+            data=settings.data,
+            text_field=settings.text_field,
+            data_format=settings.data_format,
+        )
+    )
 
 
 def _task_scores(lm: Any, r: int, settings: EvalSettings, tasks_index: Any) -> dict[str, dict[str, float]]:
     from titan_recur.eval.harness import harness_sweep, results_table
 
-    results = harness_sweep(lm, settings.tasks, [r], tasks_index, limit=settings.limit,
-                            num_fewshot=settings.num_fewshot)
+    results = harness_sweep(
+        lm, settings.tasks, [r], tasks_index, limit=settings.limit, num_fewshot=settings.num_fewshot
+    )
     scores: dict[str, dict[str, float]] = {}
     for row in results_table(results):
         scores.setdefault(row["task"], {})[row["metric"]] = row[str(r)]
     return scores
 
 
-def compare(runs: Sequence[Run], settings: EvalSettings, progress: Callable[[int], Callable[[], None]] | None = None,
-            tasks_index: Any = None) -> dict[str, Any]:
+def compare(
+    runs: Sequence[Run],
+    settings: EvalSettings,
+    progress: Callable[[int], Callable[[], None]] | None = None,
+    tasks_index: Any = None,
+) -> dict[str, Any]:
     """Evaluate every point of every run at each r; the report compare.json holds.
 
     ``progress(total)`` returns the callback called after each (model, r) evaluation; ``tasks_index``
@@ -241,8 +264,12 @@ def compare(runs: Sequence[Run], settings: EvalSettings, progress: Callable[[int
     report_runs = []
     for run in runs:
         points = [
-            {"step": p.step, "model": str(p.path), "flops": run.training_flops(p.step),
-             "results": evaluate_point(run, p, settings, tasks_index, advance)}
+            {
+                "step": p.step,
+                "model": str(p.path),
+                "flops": run.training_flops(p.step),
+                "results": evaluate_point(run, p, settings, tasks_index, advance),
+            }
             for p in run.points
         ]
         report_runs.append(_describe(run) | {"points": points})
@@ -331,21 +358,33 @@ def markdown(report: dict[str, Any], qs: Sequence[Quantity]) -> str:
     rs = report["recurrences"]
     lines = ["# Compute-matched comparison", ""]
     for run in report["runs"]:
-        kind = f"recurrent {tuple(run['shape'])}, train mean r {run['train_mean_recurrence']}" if run["recurrent"] \
+        kind = (
+            f"recurrent {tuple(run['shape'])}, train mean r {run['train_mean_recurrence']}"
+            if run["recurrent"]
             else f"static, {run['shape'][0]} layers"
-        lines.append(f"- **{run['label']}** ({kind}): {run['steps']} steps x {run['tokens_per_step']} tokens, "
-                     f"{run['world_size']} rank(s), {run['micro_steps']} micro-step(s)/step; training FLOPs "
-                     f"{run['flops']['paper']:.3e} (paper), {run['flops']['full']:.3e} (full)")
+        )
+        lines.append(
+            f"- **{run['label']}** ({kind}): {run['steps']} steps x {run['tokens_per_step']} tokens, "
+            f"{run['world_size']} rank(s), {run['micro_steps']} micro-step(s)/step; training FLOPs "
+            f"{run['flops']['paper']:.3e} (paper), {run['flops']['full']:.3e} (full)"
+        )
     for q in qs:
-        lines += ["", f"## {q.title}", "", "| run | step | FLOPs (paper) | FLOPs (full) | "
-                  + " | ".join(f"r={r}" for r in rs) + " |", "|" + "---|" * (len(rs) + 4)]
+        lines += [
+            "",
+            f"## {q.title}",
+            "",
+            "| run | step | FLOPs (paper) | FLOPs (full) | " + " | ".join(f"r={r}" for r in rs) + " |",
+            "|" + "---|" * (len(rs) + 4),
+        ]
         for run in report["runs"]:
             for point in run["points"]:
                 values = [_value_at(run, point, q, r) for r in rs]
                 cells = ["" if v is None else f"{v:.4f}" for v in values]
                 name = run["label"] if run["recurrent"] else f"{run['label']} (static: same at every r)"
-                lines.append(f"| {name} | {point['step']} | {point['flops']['paper']:.3e} | "
-                             f"{point['flops']['full']:.3e} | " + " | ".join(cells) + " |")
+                lines.append(
+                    f"| {name} | {point['step']} | {point['flops']['paper']:.3e} | "
+                    f"{point['flops']['full']:.3e} | " + " | ".join(cells) + " |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -357,7 +396,8 @@ def plot_vs_recurrence(report: dict[str, Any], q: Quantity, path: Path) -> None:
         point = run["points"][-1]
         if run["recurrent"]:
             series[f"{run['label']} (train mean {run['train_mean_recurrence']})"] = {
-                r: v for r in rs if (v := _value_at(run, point, q, r)) is not None}
+                r: v for r in rs if (v := _value_at(run, point, q, r)) is not None
+            }
         elif (value := _value_at(run, point, q, rs[0])) is not None:
             baselines[f"static baseline: {run['label']}"] = value
     fig = figure_vs_r(series, q.axis_label, f"{q.title}\n(last evaluated model of each run)")
@@ -376,27 +416,42 @@ def plot_vs_flops(report: dict[str, Any], q: Quantity, path: Path) -> None:
     colors = plt.get_cmap("viridis")([i / max(len(rs) - 1, 1) for i in range(len(rs))])
     markers = "os^Dv<>"
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=120, sharey=True)
-    for ax, convention in zip(axes, CONVENTIONS):
+    for ax, convention in zip(axes, CONVENTIONS, strict=False):
         recurrent = [run for run in report["runs"] if run["recurrent"]]
         for j, run in enumerate(recurrent):
             flops = [p["flops"][convention] for p in run["points"]]
-            for color, r in zip(colors, rs):
+            for color, r in zip(colors, rs, strict=False):
                 label = f"r={r}" if j == 0 else None
-                ax.plot(flops, [_value_at(run, p, q, r) for p in run["points"]], marker=markers[j % len(markers)],
-                        color=color, label=label)
+                ax.plot(
+                    flops,
+                    [_value_at(run, p, q, r) for p in run["points"]],
+                    marker=markers[j % len(markers)],
+                    color=color,
+                    label=label,
+                )
         for run in report["runs"]:
             if not run["recurrent"]:
-                ax.plot([p["flops"][convention] for p in run["points"]],
-                        [_value_at(run, p, q, rs[0]) for p in run["points"]],
-                        marker="x", markersize=9, color="black", linestyle="--", label=f"static baseline: {run['label']}")
+                ax.plot(
+                    [p["flops"][convention] for p in run["points"]],
+                    [_value_at(run, p, q, rs[0]) for p in run["points"]],
+                    marker="x",
+                    markersize=9,
+                    color="black",
+                    linestyle="--",
+                    label=f"static baseline: {run['label']}",
+                )
         ax.set_xscale("log")
         ax.set_xlabel(f"training FLOPs ({convention} convention)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(q.axis_label)
-    names = ", ".join(f"'{markers[j % len(markers)]}' {run['label']}"
-                      for j, run in enumerate(r for r in report["runs"] if r["recurrent"]))
-    fig.suptitle(f"{q.title} vs training FLOPs" + (f"  (recurrent runs at each test r, markers: {names})"
-                                                    if names else ""), fontsize=9)
+    names = ", ".join(
+        f"'{markers[j % len(markers)]}' {run['label']}"
+        for j, run in enumerate(r for r in report["runs"] if r["recurrent"])
+    )
+    fig.suptitle(
+        f"{q.title} vs training FLOPs" + (f"  (recurrent runs at each test r, markers: {names})" if names else ""),
+        fontsize=9,
+    )
     axes[1].legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, path)

@@ -99,7 +99,9 @@ def harness_sweep(
         lm.reset_depth_stats()
         result = simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager, **evaluate_kwargs)
         result["titan_recur"] = {
-            "num_steps": r, "kv_sharing": lm.generation.kv_sharing, "exit_criterion": lm.generation.exit_criterion,
+            "num_steps": r,
+            "kv_sharing": lm.generation.kv_sharing,
+            "exit_criterion": lm.generation.exit_criterion,
             "exit_threshold": lm.exit_threshold,
             ITERATIONS: {task: lm.mean_iterations(task) for task in result["results"]},
         }
@@ -146,7 +148,7 @@ def plot_compute_curve(rows: list[dict[str, Any]], settings: Sequence[str], out:
         if row["metric"] == ITERATIONS or row["task"] not in iterations:
             continue
         points = sorted((iterations[row["task"]][s], row[s]) for s in map(str, settings) if s in row)
-        ax.plot(*zip(*points), marker="o", label=f"{row['task']} {row['metric']}")
+        ax.plot(*zip(*points, strict=False), marker="o", label=f"{row['task']} {row['metric']}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("mean core iterations per generated token")
     ax.set_ylabel("score")

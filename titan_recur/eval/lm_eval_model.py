@@ -24,10 +24,10 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
-from titan_recur.eval.loading import default_tokenizer_folder, load_checkpoint, resolve_device
-from titan_recur.training.validation import check_recurrences
-from titan_recur.inference.engine import WARM_START, GenerationOptions, generate, left_pad
 from titan_recur.data.tokenizer import check_vocab, load_tokenizer
+from titan_recur.eval.loading import default_tokenizer_folder, load_checkpoint, resolve_device
+from titan_recur.inference.engine import WARM_START, GenerationOptions, generate, left_pad
+from titan_recur.training.validation import check_recurrences
 
 
 @register_model("titan_recur")
@@ -79,9 +79,13 @@ class TitanRecurLM(TemplateLM):
         self.max_length = int(max_length or self.model.args.max_seq_len)
         self.max_gen_toks = int(max_gen_toks)
         self.generation = GenerationOptions(
-            kv_sharing=kv_sharing, exit_criterion=exit_criterion,
-            exit_threshold=None if exit_threshold is None else float(exit_threshold), min_steps=int(min_steps),
-            check_every=int(check_every), state_init=state_init, compile=bool(compile),
+            kv_sharing=kv_sharing,
+            exit_criterion=exit_criterion,
+            exit_threshold=None if exit_threshold is None else float(exit_threshold),
+            min_steps=int(min_steps),
+            check_every=int(check_every),
+            state_init=state_init,
+            compile=bool(compile),
             iterations_per_call=int(iterations_per_call),
         )
         self.num_steps = self.model.args.mean_recurrence if num_steps is None else int(num_steps)
@@ -107,8 +111,9 @@ class TitanRecurLM(TemplateLM):
 
     def generation_options(self, max_new_tokens: int) -> GenerationOptions:
         """The engine's options at the current depth (one-line ValueError for a bad knob)."""
-        options = dataclasses.replace(self.generation, max_new_tokens=max_new_tokens, num_steps=self.num_steps,
-                                      eos_id=self.eot_token_id)
+        options = dataclasses.replace(
+            self.generation, max_new_tokens=max_new_tokens, num_steps=self.num_steps, eos_id=self.eot_token_id
+        )
         try:
             return options.resolve(self.model.args)
         except ValueError as err:
@@ -160,7 +165,7 @@ class TitanRecurLM(TemplateLM):
             inputs = [row[:-1] for row in rows]
             input_ids = _pad(inputs, self.tokenizer.pad_id or 0, left=False).to(self._device)
             logprobs = F.log_softmax(self._forward(input_ids).float(), dim=-1)
-            for i, (request, row) in enumerate(zip(batch, rows)):
+            for i, (request, row) in enumerate(zip(batch, rows, strict=False)):
                 n_cont = len(request[2])
                 target = torch.tensor(row[-n_cont:], device=self._device)
                 scores = logprobs[i, len(row) - 1 - n_cont : len(row) - 1]
@@ -183,9 +188,9 @@ class TitanRecurLM(TemplateLM):
                 windows.append((None, context, continuation))
                 owners.append(i)
         totals = [0.0] * len(requests)
-        for i, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows)):
+        for i, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows), strict=False):
             totals[i] += logprob
-        for request, total in zip(requests, totals):
+        for request, total in zip(requests, totals, strict=False):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
         return totals
 
@@ -204,10 +209,13 @@ class TitanRecurLM(TemplateLM):
             contexts = [encoded[context][-(self.max_length - max_gen_toks) :] for context, _, _ in batch]
             input_ids, attention_mask = left_pad(contexts, self.tokenizer.pad_id or 0)
             out = generate(
-                self.model, input_ids.to(self._device), self.generation_options(max_gen_toks),
-                attention_mask=attention_mask.to(self._device), stop=self._stop_check(until),
+                self.model,
+                input_ids.to(self._device),
+                self.generation_options(max_gen_toks),
+                attention_mask=attention_mask.to(self._device),
+                stop=self._stop_check(until),
             )
-            rows = zip(batch, out.tokens.tolist(), out.steps.tolist(), out.lengths.tolist())
+            rows = zip(batch, out.tokens.tolist(), out.steps.tolist(), out.lengths.tolist(), strict=False)
             for (context, gen_kwargs, task), tokens, steps, length in rows:
                 stats = self.depth_stats.setdefault(task, [0, 0])
                 stats[0], stats[1] = stats[0] + length, stats[1] + sum(steps[:length])

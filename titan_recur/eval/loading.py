@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from titan_recur.storage.checkpoint import ModelState, load_from
 from titan_recur.models.args import ModelArgs
-from titan_recur.storage.model_io import DTYPES, WEIGHTS_NAME, check_not_hf_export, load_model, read_model_args
 from titan_recur.models.model import RecurrentLM
+from titan_recur.storage.checkpoint import ModelState, load_from
+from titan_recur.storage.model_io import DTYPES, WEIGHTS_NAME, check_not_hf_export, load_model, read_model_args
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -82,10 +82,14 @@ def default_tokenizer_folder(path: str | Path, model_config: str | Path | None) 
 
 def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     """--checkpoint, --model-config, --tokenizer, --unverified: what ``load_checkpoint`` and ``default_tokenizer_folder`` take."""
-    parser.add_argument("--checkpoint", required=True,
-                        help="model folder (config.json + model.safetensors) or DCP step folder")
+    parser.add_argument(
+        "--checkpoint", required=True, help="model folder (config.json + model.safetensors) or DCP step folder"
+    )
     parser.add_argument("--model-config", help="model folder giving the architecture of a DCP step folder")
     parser.add_argument("--tokenizer", help="folder with the tokenizer files (default: the model folder)")
-    parser.add_argument("--unverified", action="store_true",
-                        help="load a model folder that has no manifest.json, its files unchecked (titan_recur "
-                        "seals every folder it writes; a missing manifest means it was deleted or hand-made)")
+    parser.add_argument(
+        "--unverified",
+        action="store_true",
+        help="load a model folder that has no manifest.json, its files unchecked (titan_recur "
+        "seals every folder it writes; a missing manifest means it was deleted or hand-made)",
+    )

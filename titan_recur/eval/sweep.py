@@ -12,11 +12,11 @@ import torch
 
 from titan_recur.config import Data, DataSource, load_config
 from titan_recur.data.loader import build_dataloader
-from titan_recur.training.validation import mean_losses, validation_loss_sums
+from titan_recur.data.tokenizer import Tokenizer
 from titan_recur.models.model import RecurrentLM
+from titan_recur.training.validation import mean_losses, validation_loss_sums
 from titan_recur.utils.plots import figure_vs_r, save_figure
 from titan_recur.utils.progress import progress
-from titan_recur.data.tokenizer import Tokenizer
 
 JSON_NAME = "validation_loss.json"
 PLOT_NAME = "validation_loss.png"
@@ -28,8 +28,9 @@ def data_source(path: str, text_field: str = "text", data_format: str = "text") 
     """A one-source data config for a held-out file (or glob): jsonl/json, parquet, else plain text;
     ``data_format`` 'prompt_completion': records whose loss is on the completion only."""
     kind = _KINDS.get(Path(path).suffix, "text")
-    return Data(sources=[DataSource(name=Path(path).name, path=path, kind=kind, text_field=text_field,
-                                    format=data_format)])
+    return Data(
+        sources=[DataSource(name=Path(path).name, path=path, kind=kind, text_field=text_field, format=data_format)]
+    )
 
 
 def rows_settings(
@@ -47,8 +48,14 @@ def rows_settings(
     if config is not None:
         cfg = load_config(config)
         v, t = cfg.validation, cfg.training
-        in_loop = {"enable": v.enable, "interval": v.interval, "batches": v.steps, "batch_size": t.local_batch_size,
-                   "seq_len": t.seq_len, "recurrences": list(v.recurrences)}
+        in_loop = {
+            "enable": v.enable,
+            "interval": v.interval,
+            "batches": v.steps,
+            "batch_size": t.local_batch_size,
+            "seq_len": t.seq_len,
+            "recurrences": list(v.recurrences),
+        }
     defaults = in_loop or {"batches": None, "batch_size": data_batch_size, "seq_len": data_seq_len}
     settings = {
         "batches": batches if batches is not None else defaults["batches"],
@@ -135,8 +142,16 @@ def heldout_batches(
         data_cfg, split, seed = cfg.data, "validation", cfg.job.seed
     loaders = [
         build_dataloader(
-            data_cfg, tokenizer, seq_len=seq_len, local_batch_size=batch_size, rows_per_step=batch_size,
-            dp_rank=rank, dp_world=ranks, seed=seed, split=split, single_pass=True,
+            data_cfg,
+            tokenizer,
+            seq_len=seq_len,
+            local_batch_size=batch_size,
+            rows_per_step=batch_size,
+            dp_rank=rank,
+            dp_world=ranks,
+            seed=seed,
+            split=split,
+            single_pass=True,
         )
         for rank in range(ranks)
     ]

@@ -19,7 +19,10 @@ from typing import Any
 
 import torch
 
+from titan_recur.convert.surgery import LayerPlan, source_tensor_names
+from titan_recur.data.tokenizer import load_tokenizer
 from titan_recur.models.args import STATE_INITS, ModelArgs
+from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, RecurrentLM
 from titan_recur.storage.model_io import (
     DTYPES,
     check_output_folder,
@@ -28,11 +31,8 @@ from titan_recur.storage.model_io import (
     save_weights,
     write_atomically,
 )
-from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, RecurrentLM
-from titan_recur.utils.progress import progress
-from titan_recur.data.tokenizer import load_tokenizer
 from titan_recur.training.recurrence import DEFAULT_SEED, DEFAULT_SIGMA
-from titan_recur.convert.surgery import LayerPlan, source_tensor_names
+from titan_recur.utils.progress import progress
 
 HF_DIR = Path(__file__).parent
 CONFIG_FILE = "configuration_titan_recur.py"
@@ -92,7 +92,7 @@ def standalone_modeling_source() -> str:
         skipped = {id(child) for node in typing_only for child in ast.walk(node)}
         for node in typing_only:
             drop.update(range(node.lineno, node.end_lineno + 1))
-        for node in ast.walk(tree):
+        for node in ast.walk(tree):  # type: ignore[assignment]
             if id(node) in skipped:
                 continue
             if isinstance(node, ast.ImportFrom) and node.module == "__future__":
@@ -216,7 +216,7 @@ def static_state_dict(model: RecurrentLM) -> dict[str, torch.Tensor]:
     plan = LayerPlan(n_layers, tuple(range(args.n_prelude)), (), tuple(range(args.n_prelude, n_layers)))
     state = savable_state_dict(model)
     names = source_tensor_names(state, plan, source_tied=False)
-    return {names[k]: v for k, v in state.items()}
+    return {names[k]: v for k, v in state.items()}  # type: ignore[misc]
 
 
 def export_hf(
@@ -283,9 +283,14 @@ def special_token_ids(args: ModelArgs, tokenizer_folder: Path) -> dict[str, int 
     """bos/eos/pad ids of generation_config.json (transformers 5 reads them there, not from config.json): the
     model's, else the tokenizer's. No sampling defaults are written: transformers' own apply."""
     tokenizer = load_tokenizer(tokenizer_folder)
-    return {name: ours if ours is not None else getattr(tokenizer, f"{kind}_id")
-            for name, kind, ours in (("bos_token_id", "bos", args.bos_id), ("eos_token_id", "eos", args.eos_id),
-                                     ("pad_token_id", "pad", args.pad_id))}
+    return {
+        name: ours if ours is not None else getattr(tokenizer, f"{kind}_id")
+        for name, kind, ours in (
+            ("bos_token_id", "bos", args.bos_id),
+            ("eos_token_id", "eos", args.eos_id),
+            ("pad_token_id", "pad", args.pad_id),
+        )
+    }
 
 
 def transformers_version() -> str:
@@ -305,42 +310,60 @@ def model_card(
     base = provenance.get("source") if provenance else None
     base_model = base if base and HUB_ID.fullmatch(base) and not Path(base).exists() else None
     tags = ["titan_recur", "depth-recurrent", "custom_code"] if args.is_recurrent else ["titan_recur"]
-    data = ModelCardData(base_model=base_model, license="other", library_name="transformers", tags=tags,
-                         pipeline_tag="text-generation")
+    data = ModelCardData(
+        base_model=base_model, license="other", library_name="transformers", tags=tags, pipeline_tag="text-generation"
+    )
     remote = ", trust_remote_code=True" if args.is_recurrent else ""
     lines = ["---", data.to_yaml(), "---", "", f"# {Path(name).name}", ""]
     if args.is_recurrent:
         lines += [
             f"A depth-recurrent language model made with titan_recur: {args.n_prelude} prelude layers, a core of "
             f"{args.n_core} layers looped r times (default r = {config['mean_recurrence']}), {args.n_coda} coda "
-            "layers (arXiv 2511.07384, \"Teaching Pretrained Language Models to Think Deeper with Retrofitted "
-            "Recurrence\"). The folder ships its modeling code: it needs torch and transformers (4.57 or 5.x) only.",
+            'layers (arXiv 2511.07384, "Teaching Pretrained Language Models to Think Deeper with Retrofitted '
+            'Recurrence"). The folder ships its modeling code: it needs torch and transformers (4.57 or 5.x) only.',
         ]
     else:
         lines += [f"A static baseline made with titan_recur: a plain {config['architectures'][0]}."]
-    lines += ["", "## Usage", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-              f"model = AutoModelForCausalLM.from_pretrained({name!r}{remote})",
-              f"tokenizer = AutoTokenizer.from_pretrained({name!r}{remote})",
-              'inputs = tokenizer("Question: What is 3 + 4?\\nAnswer:", return_tensors="pt")']
+    lines += [
+        "",
+        "## Usage",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f"model = AutoModelForCausalLM.from_pretrained({name!r}{remote})",
+        f"tokenizer = AutoTokenizer.from_pretrained({name!r}{remote})",
+        'inputs = tokenizer("Question: What is 3 + 4?\\nAnswer:", return_tensors="pt")',
+    ]
     if args.is_recurrent:
-        lines += ["print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32, num_steps=16)[0]))", "```", "",
-                  "Depth knobs (per call, or at load time as `from_pretrained(..., num_steps=16)`):", "",
-                  "- `num_steps`: core iterations per token (more think deeper, cost more);",
-                  "- `kv_sharing` (`full`, `latest`, `compress-N`): K/V slots per core block;",
-                  "- `exit_criterion` (`kl`, `latent-diff`, `entropy-diff`, `argmax`), `exit_threshold`, `min_steps`:"
-                  " per-token adaptive depth; `return_dict_in_generate=True` returns each token's iterations"
-                  " (`steps`);",
-                  "- `state_init=\"previous\"`: warm-start each token from the previous token's state.",
-                  "", "`from_pretrained` checks the files against `manifest.json` (xxh3 checksums; "
-                  "`verify_checksums=False` skips it)."]
+        lines += [
+            "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32, num_steps=16)[0]))",
+            "```",
+            "",
+            "Depth knobs (per call, or at load time as `from_pretrained(..., num_steps=16)`):",
+            "",
+            "- `num_steps`: core iterations per token (more think deeper, cost more);",
+            "- `kv_sharing` (`full`, `latest`, `compress-N`): K/V slots per core block;",
+            "- `exit_criterion` (`kl`, `latent-diff`, `entropy-diff`, `argmax`), `exit_threshold`, `min_steps`:"
+            " per-token adaptive depth; `return_dict_in_generate=True` returns each token's iterations"
+            " (`steps`);",
+            '- `state_init="previous"`: warm-start each token from the previous token\'s state.',
+            "",
+            "`from_pretrained` checks the files against `manifest.json` (xxh3 checksums; "
+            "`verify_checksums=False` skips it).",
+        ]
     else:
         lines += ["print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32)[0]))", "```"]
     lines += ["", "## Evaluation", "", "```", lm_eval_command(name, special_ids["eos_token_id"]), "```"]
     if provenance:
         options = ", ".join(f"{k}={v}" for k, v in provenance.get("options", {}).items())
-        lines += ["", "## Provenance", "",
-                  f"Converted from `{base}` ({provenance.get('architecture')}, {provenance.get('n_source_layers')} "
-                  f"layers) with {options}."]
+        lines += [
+            "",
+            "## Provenance",
+            "",
+            f"Converted from `{base}` ({provenance.get('architecture')}, {provenance.get('n_source_layers')} "
+            f"layers) with {options}.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -375,8 +398,11 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = False) -> str:
 
     api = HfApi()
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    return str(api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
-                                 commit_message="Upload titan_recur HF export"))
+    return str(
+        api.upload_folder(
+            folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message="Upload titan_recur HF export"
+        )
+    )
 
 
 def _check_output(output: Path, force: bool) -> None:

@@ -29,10 +29,10 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 
+from titan_recur.inference.engine import WARM_START, GenerationOptions, generate
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.blocks import AttentionContext
 from titan_recur.models.cache import KVCache
-from titan_recur.inference.engine import WARM_START, GenerationOptions, generate
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, Decoding, NumSteps, RecurrentLM, resolve_num_steps
 from titan_recur.training.recurrence import DEFAULT_SEED, DEFAULT_SIGMA, RecurrenceSampler
@@ -87,7 +87,7 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
     _no_split_modules = ["RecurrentCore", "TransformerBlock"]
     # A tied model's head is a Linear sharing the embedding's weight (transformers' way of tying).
     _tied_weights_keys = (
-        {"model.lm_head.weight": "model.embed_tokens.weight"} if TRANSFORMERS_MAJOR >= 5 else ["model.lm_head.weight"]
+        {"model.lm_head.weight": "model.embed_tokens.weight"} if TRANSFORMERS_MAJOR >= 5 else ["model.lm_head.weight"]  # type: ignore[assignment]
     )
 
     def __init__(self, config: TitanRecurConfig) -> None:
@@ -104,16 +104,16 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()
 
     @classmethod
-    def from_pretrained(
+    def from_pretrained(  # type: ignore[override]
         cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, verify_checksums: bool = True, **kwargs: Any
-    ) -> "TitanRecurForCausalLM":
+    ) -> TitanRecurForCausalLM:
         """transformers' from_pretrained; a local folder's files are first checked against its manifest.json
         (sizes and xxh3 checksums, as titan_recur wrote them): a corrupt file is refused. ``model.checksums_verified``
         says whether they were (False: ``verify_checksums=False``, no manifest, a Hub id, or no xxhash installed)."""
         folder = Path(pretrained_model_name_or_path)
         verified = verify_checksums and folder.is_dir() and verify_manifest(folder)
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        model.checksums_verified = verified
+        model.checksums_verified = verified  # type: ignore[assignment]
         return model
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -288,7 +288,7 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         transformers' generate through ``forward`` at depth num_steps. Sampling draws from ``generator``, else
         from torch's global RNG (``torch.manual_seed``), else from ``seed`` when given.
         """
-        config, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
+        config, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)  # type: ignore[misc]
         served_inputs = {k: v for k, v in model_kwargs.items() if k not in IGNORED_INPUTS}
         stopping_criteria = served_inputs.pop("stopping_criteria", None)
         blockers = self.engine_blockers(config, served_inputs, input_ids)
@@ -302,19 +302,27 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
                     f"kv_sharing, exit_criterion and warm start run in titan_recur's engine, which cannot serve "
                     f"{', '.join(blockers)} (it serves greedy and sampled decoding: temperature, top_p)"
                 )
-            return self.transformers_generate(input_ids, attention_mask, generation_config, config, seed, num_steps,
-                                              state_init, kwargs)
+            return self.transformers_generate(
+                input_ids, attention_mask, generation_config, config, seed, num_steps, state_init, kwargs
+            )
         width = input_ids.shape[1]
         max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - width
         eos = config.eos_token_id
         eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         pad = config.pad_token_id if config.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
         options = GenerationOptions(
-            max_new_tokens=max_new_tokens, num_steps=num_steps or self.call_default("num_steps") or self.config.mean_recurrence,
-            kv_sharing=kv_sharing, exit_criterion=exit_criterion, exit_threshold=exit_threshold, min_steps=min_steps,
-            check_every=check_every, state_init=state_init or self.config.state_init,
-            temperature=config.temperature if sample else 0.0, top_p=config.top_p if sample else 1.0,
-            seed=seed if sample else 0, eos_id=eos_ids[0] if eos_ids else None,
+            max_new_tokens=max_new_tokens,
+            num_steps=num_steps or self.call_default("num_steps") or self.config.mean_recurrence,
+            kv_sharing=kv_sharing,
+            exit_criterion=exit_criterion,
+            exit_threshold=exit_threshold,
+            min_steps=min_steps,
+            check_every=check_every,
+            state_init=state_init or self.config.state_init,
+            temperature=config.temperature if sample else 0.0,
+            top_p=config.top_p if sample else 1.0,
+            seed=seed if sample else 0,
+            eos_id=eos_ids[0] if eos_ids else None,
         )
         more_eos = torch.tensor(eos_ids[1:], dtype=torch.long, device=input_ids.device)
 
@@ -324,16 +332,21 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
                 done = done | stopping_criteria(torch.cat([input_ids, new_tokens], dim=1), None)
             return done
 
-        out = generate(self.model, input_ids, options, attention_mask=attention_mask,
-                       stop=stop if stopping_criteria or more_eos.numel() else None,
-                       return_logits=bool(config.output_logits))
+        out = generate(
+            self.model,
+            input_ids,
+            options,
+            attention_mask=attention_mask,
+            stop=stop if stopping_criteria or more_eos.numel() else None,
+            return_logits=bool(config.output_logits),
+        )
         tokens = out.tokens
         if pad is not None:  # as transformers does: pad after a row finished
             columns = torch.arange(tokens.shape[1], device=tokens.device)
             tokens = tokens.masked_fill(columns >= out.lengths[:, None], pad)
         sequences = torch.cat([input_ids, tokens], dim=1)
         if not config.return_dict_in_generate:
-            return sequences
+            return sequences  # type: ignore[return-value]
         logits = tuple(out.logits.unbind(1)) if config.output_logits else None
         return TitanRecurGenerateOutput(sequences=sequences, logits=logits, steps=out.steps)
 
@@ -341,13 +354,16 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         self, config: GenerationConfig, model_kwargs: dict[str, Any], input_ids: torch.Tensor | None
     ) -> list[str]:
         """What of a generate call titan_recur's engine cannot serve (empty: the engine runs it)."""
-        blockers = [f"{k}={v!r}" for k, v in model_kwargs.items() if v is not None and not (isinstance(v, list) and not v)]
+        blockers = [
+            f"{k}={v!r}" for k, v in model_kwargs.items() if v is not None and not (isinstance(v, list) and not v)
+        ]
         mode = config.get_generation_mode(model_kwargs.get("assistant_model"))
         if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
             blockers.append(f"{mode.value} decoding")
         defaults = default_generation_config().to_dict()
         blockers += [
-            f"{k}={v!r}" for k, v in config.to_dict().items()
+            f"{k}={v!r}"
+            for k, v in config.to_dict().items()
             if k not in ENGINE_CONFIG_FIELDS and not k.startswith("_") and v != defaults.get(k)
         ]
         if config.do_sample and config.top_k not in (None, 0) and config.top_k < self.model.args.vocab_size:
@@ -379,17 +395,30 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)
-            return super().generate(input_ids, attention_mask=attention_mask, generation_config=generation_config,
-                                    num_steps=num_steps, state_init=state_init, **kwargs)
+            return super().generate(
+                input_ids,
+                attention_mask=attention_mask,
+                generation_config=generation_config,
+                num_steps=num_steps,
+                state_init=state_init,
+                **kwargs,
+            )
 
     def new_cache(self, tokens: torch.Tensor, num_steps: int) -> KVCache:
         """A cache sized for ``tokens`` (B, T[, d]) on their device: where the model runs, also when accelerate
         offloads the embedding (its weight is then a placeholder on "meta"); the embedding's dtype."""
         a = self.model.args
         return TransformersKVCache(
-            batch_size=tokens.shape[0], capacity=tokens.shape[1], n_prelude=a.n_prelude, n_core=a.n_core,
-            n_coda=a.n_coda, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, num_steps=num_steps,
-            dtype=self.model.embed_tokens.weight.dtype, device=tokens.device,
+            batch_size=tokens.shape[0],
+            capacity=tokens.shape[1],
+            n_prelude=a.n_prelude,
+            n_core=a.n_core,
+            n_coda=a.n_coda,
+            n_kv_heads=a.n_kv_heads,
+            head_dim=a.head_dim,
+            num_steps=num_steps,
+            dtype=self.model.embed_tokens.weight.dtype,
+            device=tokens.device,
         )
 
 
@@ -403,16 +432,19 @@ def verify_manifest(folder: Path) -> bool:
     try:
         import xxhash
     except ImportError:
-        xxhash = None
+        xxhash = None  # type: ignore[assignment]
         logger.warning(f"{folder}: xxhash is not installed: only file sizes are checked (pip install xxhash)")
     for name, entry in files.items():
         file = folder / name
         if not file.is_file() or file.stat().st_size != entry["bytes"]:
-            raise ValueError(f"{file}: missing or not the size {MANIFEST_NAME} records (truncated or corrupt); "
-                             "verify_checksums=False loads it anyway")
+            raise ValueError(
+                f"{file}: missing or not the size {MANIFEST_NAME} records (truncated or corrupt); "
+                "verify_checksums=False loads it anyway"
+            )
         if xxhash is not None and _xxh3_128(file, xxhash) != entry["xxh3_128"]:
-            raise ValueError(f"{file}: checksum mismatch with {MANIFEST_NAME} (corrupt file); "
-                             "verify_checksums=False loads it anyway")
+            raise ValueError(
+                f"{file}: checksum mismatch with {MANIFEST_NAME} (corrupt file); verify_checksums=False loads it anyway"
+            )
     return xxhash is not None
 
 
@@ -457,8 +489,20 @@ def default_generation_config() -> GenerationConfig:
 # Generation config fields the engine serves; any other field away from transformers' default asks for a
 # transformers strategy (top_k is checked apart: it matters when sampling only).
 ENGINE_CONFIG_FIELDS = {
-    "max_length", "max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "num_beams", "eos_token_id",
-    "pad_token_id", "bos_token_id", "use_cache", "return_dict_in_generate", "output_logits", "transformers_version",
+    "max_length",
+    "max_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_p",
+    "top_k",
+    "num_beams",
+    "eos_token_id",
+    "pad_token_id",
+    "bos_token_id",
+    "use_cache",
+    "return_dict_in_generate",
+    "output_logits",
+    "transformers_version",
 }
 # Inputs the engine path accepts and ignores: transformers 4.x tokenizers return token_type_ids.
 IGNORED_INPUTS = {"token_type_ids"}

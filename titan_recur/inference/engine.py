@@ -74,7 +74,7 @@ class GenerationOptions:
     draft_steps: int | None = None
     lookahead: int = 4
 
-    def resolve(self, args: ModelArgs) -> "GenerationOptions":
+    def resolve(self, args: ModelArgs) -> GenerationOptions:
         """A copy with the model's defaults filled in; a one-line ValueError for any bad knob."""
         num_steps = args.mean_recurrence if self.num_steps is None else self.num_steps
         threshold = self.exit_threshold
@@ -109,7 +109,9 @@ class GenerationOptions:
         if not _is_int(self.iterations_per_call) or self.iterations_per_call < 1:
             raise ValueError(f"iterations_per_call must be an integer >= 1, got {self.iterations_per_call!r}")
         if self.state_init not in (*STATE_INITS, WARM_START):
-            raise ValueError(f"state_init must be one of {', '.join((*STATE_INITS, WARM_START))}, got {self.state_init!r}")
+            raise ValueError(
+                f"state_init must be one of {', '.join((*STATE_INITS, WARM_START))}, got {self.state_init!r}"
+            )
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
@@ -138,8 +140,10 @@ class GenerationOptions:
         if self.exit_criterion is not None:
             raise ValueError("draft_steps does not combine with exit_criterion: the target verifies at a fixed depth")
         if self.state_init == WARM_START:
-            raise ValueError("draft_steps does not combine with state_init='previous': a warm start chains "
-                             "positions, which a block verify computes together")
+            raise ValueError(
+                "draft_steps does not combine with state_init='previous': a warm start chains "
+                "positions, which a block verify computes together"
+            )
 
     def is_check(self, iteration: int) -> bool:
         """Whether a token may exit after ``iteration`` (1-based) core iterations."""
@@ -147,7 +151,7 @@ class GenerationOptions:
 
     def next_check(self, done: int) -> int:
         """The iteration count after ``done`` at which the next exit check falls, or num_steps if none does."""
-        return next((i for i in range(done + 1, self.num_steps) if self.is_check(i)), self.num_steps)
+        return next((i for i in range(done + 1, self.num_steps) if self.is_check(i)), self.num_steps)  # type: ignore[return-value]
 
 
 def _is_int(value: object) -> bool:
@@ -169,7 +173,7 @@ class GenerationOutput:
     lengths: torch.Tensor
     kv_cache_bytes: int
     logits: torch.Tensor | None = None
-    speculation: "SpeculationStats | None" = None
+    speculation: SpeculationStats | None = None
 
 
 def check_prompts(attention_mask: torch.Tensor, max_new_tokens: int, max_seq_len: int) -> None:
@@ -249,8 +253,12 @@ def generate(
         fed = token if forced_tokens is None else forced_tokens[:, t]
         step = decoder.forward(fed[:, None], positions, keys, running=~finished, warm_state=warm)
     return GenerationOutput(
-        tokens=torch.stack(tokens, dim=1), steps=torch.stack(steps, dim=1), head_calls=torch.stack(head_calls, dim=1),
-        lengths=lengths, kv_cache_bytes=cache.nbytes(), logits=torch.stack(logits, dim=1) if return_logits else None,
+        tokens=torch.stack(tokens, dim=1),
+        steps=torch.stack(steps, dim=1),
+        head_calls=torch.stack(head_calls, dim=1),
+        lengths=lengths,
+        kv_cache_bytes=cache.nbytes(),
+        logits=torch.stack(logits, dim=1) if return_logits else None,
     )
 
 
@@ -344,8 +352,9 @@ def _generate_speculative(
 class _Row:
     """One row's emitted tokens in speculative decoding, finished at EOS, a stop, or max_new_tokens."""
 
-    def __init__(self, opts: GenerationOptions, stop: Callable[[torch.Tensor], torch.Tensor] | None,
-                 device: torch.device) -> None:
+    def __init__(
+        self, opts: GenerationOptions, stop: Callable[[torch.Tensor], torch.Tensor] | None, device: torch.device
+    ) -> None:
         self.opts, self.stop, self.device = opts, stop, device
         self.tokens: list[int] = []
         self.logits: list[torch.Tensor] = []
@@ -362,7 +371,8 @@ class _Row:
             if logits is not None:
                 self.logits.append(logits[i].float())
             self.finished = (
-                self.left == 0 or token == self.opts.eos_id
+                self.left == 0
+                or token == self.opts.eos_id
                 or (self.stop is not None and bool(self.stop(torch.tensor([self.tokens], device=self.device))[0]))
             )
             if self.finished:
@@ -424,8 +434,13 @@ def _speculative_output(
     if rows[0].logits:  # asked for: a row's last logits repeat after its end
         logits = torch.stack([torch.stack(row.logits + row.logits[-1:] * (longest - len(row.logits))) for row in rows])
     return GenerationOutput(
-        tokens=tokens, steps=emitted.long() * opts.num_steps, head_calls=emitted.long(), lengths=lengths,
-        kv_cache_bytes=cache.nbytes(), logits=logits, speculation=stats,
+        tokens=tokens,
+        steps=emitted.long() * opts.num_steps,
+        head_calls=emitted.long(),
+        lengths=lengths,
+        kv_cache_bytes=cache.nbytes(),
+        logits=logits,
+        speculation=stats,
     )
 
 
@@ -441,8 +456,9 @@ def greedy_generate(
     stop: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The new greedy tokens (B, N) at exactly ``num_steps`` iterations, exact KV cache (see ``generate``)."""
-    options = GenerationOptions(max_new_tokens=max_new_tokens, num_steps=num_steps, eos_id=eos_id,
-                                state_init=state_init)
+    options = GenerationOptions(
+        max_new_tokens=max_new_tokens, num_steps=num_steps, eos_id=eos_id, state_init=state_init
+    )
     return generate(model, input_ids, options, attention_mask=attention_mask, stop=stop).tokens
 
 
@@ -558,9 +574,14 @@ class _Decoder:
         if running is None or self.opts.exit_criterion is None:
             loop = _FixedDepth(self, depth, bsz, device)
         else:
-            loop = _AdaptiveDepth(self, running)
-        decoding = Decoding(cache=self.cache, position_ids=position_ids, initial_state=warm_state,
-                            core_loop=loop if self.model.core is not None else None, head_positions=head_positions)
+            loop = _AdaptiveDepth(self, running)  # type: ignore[assignment]
+        decoding = Decoding(
+            cache=self.cache,
+            position_ids=position_ids,
+            initial_state=warm_state,
+            core_loop=loop if self.model.core is not None else None,
+            head_positions=head_positions,
+        )
         logits = self.model(input_ids, attention_mask=keys, state_init=self.prompt_init, decoding=decoding)
         if self.model.core is None:
             loop.steps.zero_()
@@ -576,9 +597,10 @@ class _FixedDepth:
         self.head_calls = torch.ones_like(self.steps)
         self.state = None
 
-    def __call__(self, core: torch.nn.Module, state: torch.Tensor, injected: torch.Tensor,
-                 ctx: AttentionContext) -> CoreResult:
-        self.state = self.decoder.iterate(0, self.depth, state, injected, ctx)
+    def __call__(
+        self, core: torch.nn.Module, state: torch.Tensor, injected: torch.Tensor, ctx: AttentionContext
+    ) -> CoreResult:
+        self.state = self.decoder.iterate(0, self.depth, state, injected, ctx)  # type: ignore[assignment]
         return CoreResult(self.state)
 
 
@@ -591,8 +613,9 @@ class _AdaptiveDepth:
         self.head_calls = torch.zeros_like(self.steps)
         self.state = None
 
-    def __call__(self, core: torch.nn.Module, state: torch.Tensor, injected: torch.Tensor,
-                 ctx: AttentionContext) -> CoreResult:
+    def __call__(
+        self, core: torch.nn.Module, state: torch.Tensor, injected: torch.Tensor, ctx: AttentionContext
+    ) -> CoreResult:
         decoder, running = self.decoder, self.running
         opts, model, cache = decoder.opts, decoder.model, decoder.cache
         criterion = ExitCriterion(opts.exit_criterion, opts.exit_threshold, state, model.args.vocab_size)
@@ -612,7 +635,9 @@ class _AdaptiveDepth:
                 if criterion.needs_logits:
                     check_logits = model.head(model.coda_and_norm(state, ctx)[:, -1:])
                     self.head_calls += active
-                    logits = check_logits if logits is None else torch.where(active[:, None, None], check_logits, logits)
+                    logits = (
+                        check_logits if logits is None else torch.where(active[:, None, None], check_logits, logits)
+                    )
             active = active & ~criterion.exits(state, None if check_logits is None else check_logits[:, -1])
             if not bool(active.any()):
                 break
@@ -622,7 +647,7 @@ class _AdaptiveDepth:
         self.head_calls += needs_final
         if bool((running & (self.steps < cache.slots_per_block)).any()):
             cache.fill_skipped(self.steps)
-        self.state = state
+        self.state = state  # type: ignore[assignment]
         return CoreResult(state, logits=logits, coda_rows=needs_final)
 
 

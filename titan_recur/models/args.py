@@ -88,7 +88,7 @@ class ModelArgs:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "ModelArgs":
+    def from_dict(cls, values: dict[str, Any]) -> ModelArgs:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -134,9 +134,18 @@ PRESETS: dict[str, SourcePreset] = {
         n_layers=22,
         default_shape=(4, 8, 4),
         args=dict(
-            vocab_size=32000, dim=2048, n_heads=32, n_kv_heads=4, head_dim=64, ffn_dim=5632,
-            norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=False, max_seq_len=2048,
-            bos_id=1, eos_id=2,
+            vocab_size=32000,
+            dim=2048,
+            n_heads=32,
+            n_kv_heads=4,
+            head_dim=64,
+            ffn_dim=5632,
+            norm_eps=1e-5,
+            rope_theta=10000.0,
+            tie_embeddings=False,
+            max_seq_len=2048,
+            bos_id=1,
+            eos_id=2,
         ),
     ),
     "llama3.2-1b": SourcePreset(
@@ -144,9 +153,19 @@ PRESETS: dict[str, SourcePreset] = {
         n_layers=16,
         default_shape=(4, 6, 4),
         args=dict(
-            vocab_size=128256, dim=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192,
-            norm_eps=1e-5, rope_theta=500000.0, rope_scaling=dict(_LLAMA3_SCALING),
-            tie_embeddings=False, max_seq_len=131072, bos_id=128000, eos_id=128001,
+            vocab_size=128256,
+            dim=2048,
+            n_heads=32,
+            n_kv_heads=8,
+            head_dim=64,
+            ffn_dim=8192,
+            norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=dict(_LLAMA3_SCALING),
+            tie_embeddings=False,
+            max_seq_len=131072,
+            bos_id=128000,
+            eos_id=128001,
         ),
     ),
     "olmo2-1b": SourcePreset(
@@ -154,9 +173,20 @@ PRESETS: dict[str, SourcePreset] = {
         n_layers=16,
         default_shape=(4, 6, 4),
         args=dict(
-            vocab_size=100352, dim=2048, n_heads=16, n_kv_heads=16, head_dim=128, ffn_dim=8192,
-            block_type="olmo2", norm_eps=1e-6, rope_theta=500000.0, tie_embeddings=False,
-            max_seq_len=4096, bos_id=100257, eos_id=100257, pad_id=100277,
+            vocab_size=100352,
+            dim=2048,
+            n_heads=16,
+            n_kv_heads=16,
+            head_dim=128,
+            ffn_dim=8192,
+            block_type="olmo2",
+            norm_eps=1e-6,
+            rope_theta=500000.0,
+            tie_embeddings=False,
+            max_seq_len=4096,
+            bos_id=100257,
+            eos_id=100257,
+            pad_id=100277,
         ),
     ),
 }

@@ -57,7 +57,7 @@ class AttentionContext:
     mask: torch.Tensor | None = None
     cache: KVCache | IterationView | None = None
 
-    def at_iteration(self, iteration: int) -> "AttentionContext":
+    def at_iteration(self, iteration: int) -> AttentionContext:
         """The context of core iteration ``iteration`` (itself when no cache needs to know it)."""
         return self if self.cache is None else dataclasses.replace(self, cache=self.cache.iteration_view(iteration))
 

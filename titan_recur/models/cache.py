@@ -89,24 +89,35 @@ class KVCache:
         # (part, index) -> (K, V); a core block's tensors carry the slot index in front: (N, B, H, L, D).
         self.buffers: dict[BlockSlot, tuple[torch.Tensor, torch.Tensor]] = {}
         self._views: dict[int, IterationView] = {}
-        for part, count, lead in (("prelude", n_prelude, ()), ("core", n_core, (self.slots_per_block,)),
-                                  ("coda", n_coda, ())):
+        for part, count, lead in (
+            ("prelude", n_prelude, ()),
+            ("core", n_core, (self.slots_per_block,)),
+            ("coda", n_coda, ()),
+        ):
             for index in range(count):
-                self.buffers[(part, index)] = tuple(
+                self.buffers[(part, index)] = tuple(  # type: ignore[assignment]
                     torch.zeros(*lead, *shape, dtype=dtype, device=device) for _ in range(2)
                 )
 
     @classmethod
     def for_model(
         cls, model: torch.nn.Module, batch_size: int, capacity: int, num_steps: int, kv_sharing: str = "full"
-    ) -> "KVCache":
+    ) -> KVCache:
         """A cache for ``model`` (a RecurrentLM), in its parameters' dtype and device."""
         a = model.args
         weight = model.embed_tokens.weight
         return cls(
-            batch_size=batch_size, capacity=capacity, n_prelude=a.n_prelude, n_core=a.n_core, n_coda=a.n_coda,
-            n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, num_steps=num_steps, kv_sharing=kv_sharing,
-            dtype=weight.dtype, device=weight.device,
+            batch_size=batch_size,
+            capacity=capacity,
+            n_prelude=a.n_prelude,
+            n_core=a.n_core,
+            n_coda=a.n_coda,
+            n_kv_heads=a.n_kv_heads,
+            head_dim=a.head_dim,
+            num_steps=num_steps,
+            kv_sharing=kv_sharing,
+            dtype=weight.dtype,
+            device=weight.device,
         )
 
     @staticmethod
@@ -179,7 +190,7 @@ class KVCache:
             buffer.index_copy_(2, self.write_index, new)
         return keys[:, :, : self.key_length], values[:, :, : self.key_length]
 
-    def iteration_view(self, iteration: int) -> "IterationView":
+    def iteration_view(self, iteration: int) -> IterationView:
         """The cache as core iteration ``iteration`` (0-based) sees it (see ``IterationView``)."""
         if iteration >= self.num_steps and self.kv_sharing == "full":
             raise ValueError(f"iteration {iteration} beyond the {self.num_steps} this 'full' cache was built for")
@@ -216,7 +227,7 @@ class KVCache:
         """Reallocate every buffer for at least ``needed`` columns (callers that cannot size the cache up front)."""
         capacity = max(needed, 2 * self.capacity)
         for slot, pair in self.buffers.items():
-            self.buffers[slot] = tuple(F.pad(t, (0, 0, 0, capacity - t.shape[-2])) for t in pair)
+            self.buffers[slot] = tuple(F.pad(t, (0, 0, 0, capacity - t.shape[-2])) for t in pair)  # type: ignore[assignment]
         self._views.clear()
 
 

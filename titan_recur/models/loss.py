@@ -61,8 +61,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for rows in _chunks(hidden.shape[0], ctx.chunk):
-            _backward_chunk(hidden[rows].to(ctx.compute_dtype), w, labels[rows], grad_total, rows, grad_hidden, grad_weight)
-        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+            _backward_chunk(
+                hidden[rows].to(ctx.compute_dtype), w, labels[rows], grad_total, rows, grad_hidden, grad_weight
+            )
+        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None  # type: ignore[assignment]
         return grad_hidden, grad_weight, None, None
 
 

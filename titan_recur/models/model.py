@@ -258,8 +258,11 @@ class RecurrentLM(nn.Module):
         tokens = input_ids if inputs_embeds is None else inputs_embeds
         ctx = self.attention_context(tokens, attention_mask, decoding.position_ids, decoding.cache)
         x = self.embed_and_prelude(input_ids, ctx, inputs_embeds, on_hidden_state)
-        result = CoreResult(x) if self.core is None else self.run_core(x, ctx, num_steps, state_init, on_hidden_state,
-                                                                        decoding)
+        result = (
+            CoreResult(x)
+            if self.core is None
+            else self.run_core(x, ctx, num_steps, state_init, on_hidden_state, decoding)
+        )
         cache, logits = decoding.cache, result.logits
         if result.coda_rows is None or bool(result.coda_rows.any()):
             with nullcontext() if result.coda_rows is None else cache.writes_only(result.coda_rows):
@@ -273,7 +276,7 @@ class RecurrentLM(nn.Module):
                 logits = final if logits is None else torch.where(result.coda_rows[:, None, None], final, logits)
         if cache is not None:
             cache.advance(tokens.shape[1])
-        return logits
+        return logits  # type: ignore[return-value]
 
     def run_core(
         self,
@@ -289,13 +292,15 @@ class RecurrentLM(nn.Module):
         if decoding.core_loop is None and decoding.initial_state is None:
             depth = DEFAULT_BACKPROP_DEPTH if self.training and torch.is_grad_enabled() else None
             steps = resolve_num_steps(num_steps, self.args, backprop_depth=depth)
-            return CoreResult(self.core(x, ctx, steps, init, on_hidden_state))
+            return CoreResult(self.core(x, ctx, steps, init, on_hidden_state))  # type: ignore[misc]
         injected = self.core.inject(x)
         state = decoding.initial_state if decoding.initial_state is not None else self.core.initial_state(x, init)
         if decoding.core_loop is not None:
             return decoding.core_loop(self.core, state, injected, ctx)
-        steps = sum(resolve_num_steps(num_steps, self.args))
-        return CoreResult(self.core.iterate(state, injected, iteration_contexts(ctx, 0, steps), on_state=on_hidden_state))
+        steps = sum(resolve_num_steps(num_steps, self.args))  # type: ignore[assignment]
+        return CoreResult(
+            self.core.iterate(state, injected, iteration_contexts(ctx, 0, steps), on_state=on_hidden_state)
+        )
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor, loss_chunk_tokens: int) -> torch.Tensor:
         """The summed next-token loss of final-norm hidden states (chunked when loss_chunk_tokens > 0)."""
@@ -386,7 +391,12 @@ class RecurrentLM(nn.Module):
         "hidden_matrix": every 2-D weight of the blocks and the adapter (Muon's share); "embedding";
         "head" (absent when tied: the head is the embedding); "vector": norm weights and biases.
         """
-        roles: dict[str, list[tuple[str, nn.Parameter]]] = {"hidden_matrix": [], "embedding": [], "head": [], "vector": []}
+        roles: dict[str, list[tuple[str, nn.Parameter]]] = {
+            "hidden_matrix": [],
+            "embedding": [],
+            "head": [],
+            "vector": [],
+        }
         for name, param in self.named_parameters():
             if name.startswith("embed_tokens."):
                 roles["embedding"].append((name, param))

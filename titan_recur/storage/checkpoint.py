@@ -210,8 +210,10 @@ class CheckpointManager:
                 if self.async_mode == "async":
                     # The writer thread warns after this block has exited: filter it for the process.
                     warnings.filterwarnings("ignore", message=_NO_PROCESS_GROUP_WARNING)
-                    self._pending = (step, dcp.async_save(self.states, checkpoint_id=str(partial),
-                                                          process_group=self._async_group))
+                    self._pending = (  # type: ignore[assignment]
+                        step,
+                        dcp.async_save(self.states, checkpoint_id=str(partial), process_group=self._async_group),
+                    )
                     return
                 dcp.save(self.states, checkpoint_id=str(partial))
         except (OSError, CheckpointException) as err:  # DCP raises a rank's failure on every rank
@@ -257,8 +259,16 @@ class CheckpointManager:
         partial = self._partial(step)
         world = dist.get_world_size() if dist.is_initialized() else 1
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        write_manifest(partial, "checkpoint", files, step=step, parent=self.parent, world_size=world,
-                       created=created, fingerprint=self.fingerprint)
+        write_manifest(
+            partial,
+            "checkpoint",
+            files,
+            step=step,
+            parent=self.parent,
+            world_size=world,
+            created=created,
+            fingerprint=self.fingerprint,
+        )
         partial.rename(self.step_folder(step))
         self._purge()
 
@@ -306,8 +316,9 @@ class CheckpointManager:
                 )
             manifest = self._verified(load_step, found.complete, verify, explain="load_step")
             later = [s for s in found.complete if s > load_step]
-            return ResumePoint(load_step, f"checkpoint.load_step = {load_step}", manifest, later,
-                               f"rewind-to-step-{load_step}")
+            return ResumePoint(
+                load_step, f"checkpoint.load_step = {load_step}", manifest, later, f"rewind-to-step-{load_step}"
+            )
         corrupt: list[int] = []
         for step in reversed(found.complete):
             try:
@@ -345,8 +356,10 @@ class CheckpointManager:
         if manifest is not None:
             size = sum(entry["bytes"] for entry in manifest["files"].values())
             what = "checksums" if checksums else "sizes"
-            _log_rank0(f"step-{step}: {what} of {len(manifest['files'])} files ({size / 2**20:.1f} MiB) match "
-                       f"{MANIFEST_NAME} ({time.perf_counter() - start:.2f} s)")
+            _log_rank0(
+                f"step-{step}: {what} of {len(manifest['files'])} files ({size / 2**20:.1f} MiB) match "
+                f"{MANIFEST_NAME} ({time.perf_counter() - start:.2f} s)"
+            )
         return manifest
 
     def _newest_verified(self, steps: list[int], checksums: bool) -> int | None:

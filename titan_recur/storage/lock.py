@@ -108,7 +108,7 @@ class DumpFolderLock:
         self.holder = holder
 
     @classmethod
-    def acquire(cls, folder: str | Path) -> "DumpFolderLock":
+    def acquire(cls, folder: str | Path) -> DumpFolderLock:
         """Take the folder's lock (creating the folder), taking over a stale one; DumpFolderLockedError if held."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -156,7 +156,8 @@ class DumpFolderLock:
             if read_holder(self.path) != stale:  # someone else took it over first
                 raise DumpFolderLockedError(
                     f"job.dump_folder {self.path.parent} is in use by another run "
-                    f"({describe_holder(read_holder(self.path) or {})}): it took over the stale lock first")
+                    f"({describe_holder(read_holder(self.path) or {})}): it took over the stale lock first"
+                )
             self.path.unlink(missing_ok=True)
             if not self._create():
                 raise DumpFolderLockedError(f"{self.path}: taken by another run during the take-over")

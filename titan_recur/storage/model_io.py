@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from titan_recur.models.args import PRESETS, ModelArgs
+from titan_recur.models.model import RecurrentLM
 from titan_recur.storage.manifest import (
     MANIFEST_NAME,
     folder_kind,
@@ -25,7 +26,6 @@ from titan_recur.storage.manifest import (
     update_manifest_entry,
     verify_folder,
 )
-from titan_recur.models.model import RecurrentLM
 
 if TYPE_CHECKING:  # the config schema; models never import it at run time
     from titan_recur.config import Model
@@ -242,16 +242,23 @@ def write_atomically(output: Path, write: Callable[[Path], None], *, kind: str) 
         raise
 
 
-def architecture_args(model: "Model") -> ModelArgs:
+def architecture_args(model: Model) -> ModelArgs:
     """The ModelArgs of ``[model]``'s own architecture (from scratch): static unless model.shape splits it."""
     n_prelude, n_core, n_coda = model.shape or (model.n_layers, 0, 0)
     return ModelArgs(
-        vocab_size=model.vocab_size, dim=model.dim, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads or model.n_heads,
-        head_dim=model.dim // model.n_heads, ffn_dim=model.ffn_dim, n_prelude=n_prelude, n_core=n_core, n_coda=n_coda,
+        vocab_size=model.vocab_size,
+        dim=model.dim,
+        n_heads=model.n_heads,
+        n_kv_heads=model.n_kv_heads or model.n_heads,
+        head_dim=model.dim // model.n_heads,
+        ffn_dim=model.ffn_dim,
+        n_prelude=n_prelude,
+        n_core=n_core,
+        n_coda=n_coda,
     )
 
 
-def resolve_model_args(model: "Model") -> ModelArgs:
+def resolve_model_args(model: Model) -> ModelArgs:
     """The architecture a run's ``[model]`` section names: a model folder's, or a preset's at its shape.
 
     With both, the folder must have the preset's architecture at that shape.
@@ -266,8 +273,24 @@ def resolve_model_args(model: "Model") -> ModelArgs:
     args = read_model_args(path)
     if preset:
         expected = PRESETS[preset].model_args(*shape)
-        fields = ("n_prelude", "n_core", "n_coda", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "block_type")
-        diff = [f"{f} {getattr(args, f)} != {getattr(expected, f)}" for f in fields if getattr(args, f) != getattr(expected, f)]
+        fields = (
+            "n_prelude",
+            "n_core",
+            "n_coda",
+            "dim",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_dim",
+            "vocab_size",
+            "block_type",
+        )
+        diff = [
+            f"{f} {getattr(args, f)} != {getattr(expected, f)}"
+            for f in fields
+            if getattr(args, f) != getattr(expected, f)
+        ]
         if diff:
-            raise ValueError(f"model.path {path} is not model.preset {preset} with shape {list(shape)}: {', '.join(diff)}")
+            raise ValueError(
+                f"model.path {path} is not model.preset {preset} with shape {list(shape)}: {', '.join(diff)}"
+            )
     return args

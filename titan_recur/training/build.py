@@ -20,7 +20,9 @@ def build_model(cfg: JobConfig, args: ModelArgs, device: torch.device, mesh: Dev
     t = cfg.training
     with torch.device("meta"):
         model = RecurrentLM(args)
-    mp_policy = mixed_precision_policy(device.type, t.mixed_precision_param, t.mixed_precision_reduce, t.mixed_precision_mode)
+    mp_policy = mixed_precision_policy(
+        device.type, t.mixed_precision_param, t.mixed_precision_reduce, t.mixed_precision_mode
+    )
     parallelize_model(model, mesh, ac_mode=t.ac_mode, compile_blocks=t.compile, mp_policy=mp_policy)
     model.to_empty(device=device)
     load_initial_weights(model, cfg, args)

@@ -37,8 +37,8 @@ import torch
 
 from titan_recur.config import AC_MODES, grad_accum_steps
 from titan_recur.models.args import PRESETS, ModelArgs
-from titan_recur.storage.model_io import resolve_model_args
 from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, resolve_num_steps
+from titan_recur.storage.model_io import resolve_model_args
 from titan_recur.training.recurrence import RecurrenceSchedule
 from titan_recur.utils.progress import progress
 
@@ -294,8 +294,13 @@ class MemoryEstimate:
         return self.weights + self.grads + self.optimizer + self.gathered + self.activations
 
     def describe(self) -> str:
-        parts = [("weights", self.weights), ("grads", self.grads), ("optimizer", self.optimizer),
-                 ("gathered units", self.gathered), ("activations", self.activations)]
+        parts = [
+            ("weights", self.weights),
+            ("grads", self.grads),
+            ("optimizer", self.optimizer),
+            ("gathered units", self.gathered),
+            ("activations", self.activations),
+        ]
         listed = ", ".join(f"{name} {format_bytes(value)}" for name, value in parts if value)
         return f"{format_bytes(self.total)} ({listed})"
 
@@ -322,7 +327,13 @@ def block_saved_bytes(args: ModelArgs, c: int) -> float:
     k, v, its output and the fp32 log-sum-exp per head; SwiGLU keeps gate, up, silu(gate) and the
     product.
     """
-    d, f, qd, kvd, heads = args.dim, args.ffn_dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.n_heads
+    d, f, qd, kvd, heads = (
+        args.dim,
+        args.ffn_dim,
+        args.n_heads * args.head_dim,
+        args.n_kv_heads * args.head_dim,
+        args.n_heads,
+    )
     sdpa = c * (2 * qd + 2 * kvd) + 4 * heads
     mlp = 4 * c * f
     if args.block_type == "llama":

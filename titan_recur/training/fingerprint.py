@@ -13,8 +13,8 @@ from typing import Any
 
 from titan_recur.config import ALLOWED_CHANGES, JobConfig, config_to_dict
 from titan_recur.models.args import ModelArgs
-from titan_recur.storage.model_io import TOKENIZER_FILES
 from titan_recur.storage.manifest import file_checksum
+from titan_recur.storage.model_io import TOKENIZER_FILES
 
 # Fields whose change on resume is never allowed (the saved state would contradict them).
 FIXED = ("model", "tokenizer", "seed", "optimizer", "lr_scheduler")
@@ -69,17 +69,22 @@ def check_unchanged(saved: dict[str, Any], current: dict[str, Any], allowed: lis
     refused = [name for name in changed if name not in allowed]
     if refused:
         details = [change for name in refused for change in _differences(name, saved.get(name), current[name])]
-        shown = ", ".join(details[:_SHOWN_CHANGES]) + (f" (+{len(details) - _SHOWN_CHANGES} more)"
-                                                       if len(details) > _SHOWN_CHANGES else "")
+        shown = ", ".join(details[:_SHOWN_CHANGES]) + (
+            f" (+{len(details) - _SHOWN_CHANGES} more)" if len(details) > _SHOWN_CHANGES else ""
+        )
         safe = [name for name in refused if name in ALLOWED_CHANGES]
         fixed = [name for name in refused if name not in ALLOWED_CHANGES]
         advice = []
         if safe:
-            advice.append(f"to resume with the new {', '.join(safe)}, pass --checkpoint.allow_changes "
-                          f"{','.join(safe)} (docs/checkpointing.md says what each does)")
+            advice.append(
+                f"to resume with the new {', '.join(safe)}, pass --checkpoint.allow_changes "
+                f"{','.join(safe)} (docs/checkpointing.md says what each does)"
+            )
         if fixed:
-            advice.append(f"{', '.join(fixed)} cannot change on resume: start a new run from this one's model with "
-                          "checkpoint.initial_load_path")
+            advice.append(
+                f"{', '.join(fixed)} cannot change on resume: start a new run from this one's model with "
+                "checkpoint.initial_load_path"
+            )
         raise FingerprintError(f"{where} was written with other settings: {shown}; {'; '.join(advice)}")
     return changed
 
@@ -93,7 +98,12 @@ def _differences(name: str, old: Any, new: Any) -> list[str]:
     if isinstance(old, list) and isinstance(new, list):
         if len(old) != len(new):
             return [f"{name} ({len(old)} entries -> {len(new)})"]
-        return [d for i, (a, b) in enumerate(zip(old, new)) if a != b for d in _differences(f"{name}[{i}]", a, b)]
+        return [
+            d
+            for i, (a, b) in enumerate(zip(old, new, strict=False))
+            if a != b
+            for d in _differences(f"{name}[{i}]", a, b)
+        ]
     if name == "tokenizer":
         return ["tokenizer (other tokenizer files)"]
     return [f"{name} {_short(old)} -> {_short(new)}"]

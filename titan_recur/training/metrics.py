@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from titan_recur.training import cost_model
 from titan_recur.config import ConfigError, Metrics
+from titan_recur.training import cost_model
 from titan_recur.utils.plots import figure_vs_r
 
 WANDB_ID_FILE = "wandb_run_id"  # in the dump folder: the W&B run a resumed run continues
@@ -43,7 +43,7 @@ class StepWindow:
 
     def reset(self) -> None:
         self.start = time.perf_counter()
-        self.tokens, self.flops, self.losses = 0, 0.0, []
+        self.tokens, self.flops, self.losses = 0, 0.0, []  # type: ignore[var-annotated]
 
     def add(self, tokens: int, step_flops: float, loss: float) -> None:
         self.tokens += tokens
@@ -98,8 +98,14 @@ class WandbSink:
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)
         try:
             self.run = wandb.init(
-                project=cfg.wandb_project, entity=cfg.wandb_entity, name=cfg.wandb_run_name or dump_folder.name,
-                tags=cfg.wandb_tags, mode=cfg.wandb_mode, id=run_id, resume="allow", dir=str(dump_folder),
+                project=cfg.wandb_project,
+                entity=cfg.wandb_entity,
+                name=cfg.wandb_run_name or dump_folder.name,
+                tags=cfg.wandb_tags,
+                mode=cfg.wandb_mode,
+                id=run_id,
+                resume="allow",
+                dir=str(dump_folder),
                 config=run_config,
             )
         except wandb.Error as err:
@@ -158,9 +164,9 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             _quiet_tensorboard_thread()
-            self.writer = SummaryWriter(log_dir=str(self.dump_folder / "tb"))
+            self.writer = SummaryWriter(log_dir=str(self.dump_folder / "tb"))  # type: ignore[assignment]
         if self.jsonl:
-            self.jsonl_file = open(self.dump_folder / "metrics.jsonl", "a", buffering=1)
+            self.jsonl_file = open(self.dump_folder / "metrics.jsonl", "a", buffering=1)  # type: ignore[assignment]
 
     def log_window(self, record: dict[str, Any], device: torch.device) -> dict[str, Any]:
         """Complete a step record with the window's figures and peak memory, log it, open a new window."""

@@ -17,13 +17,13 @@ import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from titan_recur.training import cost_model
 from titan_recur.config import ConfigError, JobConfig, grad_accum_steps
 from titan_recur.data.loader import all_sources, check_phase_weights, check_source
-from titan_recur.training.metrics import format_duration
+from titan_recur.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 from titan_recur.models.args import ModelArgs
 from titan_recur.storage.model_io import resolve_model_args
-from titan_recur.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
+from titan_recur.training import cost_model
+from titan_recur.training.metrics import format_duration
 
 # Exit status of a failed check (the trainer's EXIT_BAD_INPUT).
 EXIT_PROBLEMS = 2
@@ -107,7 +107,9 @@ def check_inputs(cfg: JobConfig, world_size: int) -> Inputs:
     found.model_args = _attempt(found, lambda: resolve_model_args(cfg.model))
     folder = tokenizer_folder(cfg)
     if folder is None:
-        found.problems.append("set data.tokenizer (a folder with tokenizer files) when training from model.preset or from scratch")
+        found.problems.append(
+            "set data.tokenizer (a folder with tokenizer files) when training from model.preset or from scratch"
+        )
     elif found.model_args is not None or folder != cfg.model.path:  # a missing model folder is one problem
         found.tokenizer = _attempt(found, lambda: load_tokenizer(folder))
     if found.tokenizer is not None and found.model_args is not None:
@@ -124,8 +126,11 @@ def check_inputs(cfg: JobConfig, world_size: int) -> Inputs:
     for source in sources:
         name = source.name or source.path
         why = f" ({hub}; local cache only)" if hub and source.kind == "hf" else ""
-        tokens = _attempt(found, lambda: check_source(source, found.tokenizer, cfg.training.seq_len),
-                          prefix=f"data source {name!r} ({source.kind} {source.path}) cannot be read: ")
+        tokens = _attempt(
+            found,
+            lambda source=source: check_source(source, found.tokenizer, cfg.training.seq_len),
+            prefix=f"data source {name!r} ({source.kind} {source.path}) cannot be read: ",
+        )
         if tokens is not None:
             found.sources.append((name, tokens))
         elif why:
@@ -190,8 +195,9 @@ def full_flops_estimate(run: cost_model.TrainingRun, steps: int) -> tuple[float,
     return sum(run.step_flops(s, "full") for s in chosen) * steps / sampled, False
 
 
-def plan_lines(cfg: JobConfig, args: ModelArgs, world_size: int, options: CheckOptions | None = None,
-               device_type: str = "cuda") -> list[str]:
+def plan_lines(
+    cfg: JobConfig, args: ModelArgs, world_size: int, options: CheckOptions | None = None, device_type: str = "cuda"
+) -> list[str]:
     """The plan, one fact per line: what runs, on how many ranks, for how long, in how much memory."""
     options = options or CheckOptions(world_size=world_size)
     t, r, m = cfg.training, cfg.recurrence, cfg.model
@@ -220,21 +226,30 @@ def plan_lines(cfg: JobConfig, args: ModelArgs, world_size: int, options: CheckO
             f"of the steps, backprop depth {r.backprop_depth}; each micro-step samples n no-grad + k grad "
             f"iterations, E[n + k] = r{' + 1' if r.mean_offset else ''}"
         )
-    lines.append(f"training FLOPs: paper {paper:.4e}, full {full:.4e}"
-                 + ("" if exact else f" (from {PLAN_DRAWS:,} sampled draws; tools/flops.py replays all)"))
+    lines.append(
+        f"training FLOPs: paper {paper:.4e}, full {full:.4e}"
+        + ("" if exact else f" (from {PLAN_DRAWS:,} sampled draws; tools/flops.py replays all)")
+    )
     memory = cost_model.memory_estimate(cfg, args, world_size, device_type)
-    lines.append(f"memory per {'GPU' if device_type != 'cpu' else 'process'}: ~{memory.describe()} at "
-                 f"{t.local_batch_size} x {t.seq_len} tokens, ac_mode {t.ac_mode}, tensors only")
+    lines.append(
+        f"memory per {'GPU' if device_type != 'cpu' else 'process'}: ~{memory.describe()} at "
+        f"{t.local_batch_size} x {t.seq_len} tokens, ac_mode {t.ac_mode}, tensors only"
+    )
     peak = cost_model.peak_flops(device_name=options.gpu, override=cfg.metrics.peak_flops)
     if peak is None:
         lines.append("time: unknown peak FLOP/s of this device (set metrics.peak_flops; --check also takes --gpu h100)")
     else:
         seconds = full / (world_size * peak * options.assume_mfu)
-        lines.append(f"time: ~{format_duration(seconds)} at MFU {options.assume_mfu:g} of {peak / 1e12:,.0f} "
-                     f"TFLOP/s per GPU (full-convention FLOPs)")
+        lines.append(
+            f"time: ~{format_duration(seconds)} at MFU {options.assume_mfu:g} of {peak / 1e12:,.0f} "
+            f"TFLOP/s per GPU (full-convention FLOPs)"
+        )
     v = cfg.validation
-    lines.append(f"validation: every {v.interval} steps, {v.steps} batches per rank, r in {list(v.recurrences)}"
-                 if v.enable else "validation: off (validation.enable = false)")
+    lines.append(
+        f"validation: every {v.interval} steps, {v.steps} batches per rank, r in {list(v.recurrences)}"
+        if v.enable
+        else "validation: off (validation.enable = false)"
+    )
     return lines
 
 
@@ -246,7 +261,9 @@ def run_check(cfg: JobConfig, options: CheckOptions) -> tuple[list[str], list[st
     device_type = "cpu" if cfg.training.device == "cpu" else "cuda"  # "auto": the run's GPUs, not this node
     lines = plan_lines(cfg, found.model_args, options.world_size, options, device_type)
     tokenizer_path = tokenizer_folder(cfg)
-    lines.insert(2, f"tokenizer: {tokenizer_path} ({type(found.tokenizer).__name__}, vocab {found.tokenizer.vocab_size:,})")
+    lines.insert(
+        2, f"tokenizer: {tokenizer_path} ({type(found.tokenizer).__name__}, vocab {found.tokenizer.vocab_size:,})"
+    )
     for name, tokens in found.sources:
         lines.append(f"data: {name}: first document read ({tokens:,} tokens)")
     return lines, []

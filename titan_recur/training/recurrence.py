@@ -192,7 +192,10 @@ class RecurrenceSchedule:
         depth: int | Curriculum = cfg.backprop_depth
         if cfg.backprop_curriculum:
             depth = Curriculum(
-                cfg.backprop_curriculum_kind, cfg.backprop_depth, total_steps, cfg.backprop_warmup_fraction,
+                cfg.backprop_curriculum_kind,
+                cfg.backprop_depth,
+                total_steps,
+                cfg.backprop_warmup_fraction,
                 start=cfg.backprop_start,
             )
         sampler = RecurrenceSampler(sigma=cfg.sigma, seed=cfg.seed, mean_offset=cfg.mean_offset)

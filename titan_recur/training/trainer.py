@@ -22,8 +22,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_recur.training import cost_model, preflight
-from titan_recur.storage.lock import DumpFolderLock, DumpFolderLockedError
+from titan_recur.config import ConfigError, JobConfig, config_to_dict, grad_accum_steps, parse_args
+from titan_recur.data.loader import DataError, build_dataloader, check_data_config
+from titan_recur.data.tokenizer import check_vocab, load_tokenizer
+from titan_recur.models.args import ModelArgs
+from titan_recur.models.loss import count_labels
+from titan_recur.models.model import RecurrentLM
 from titan_recur.storage.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -35,24 +39,20 @@ from titan_recur.storage.checkpoint import (
     TorchRNGState,
     load_from,
 )
-from titan_recur.config import ConfigError, JobConfig, config_to_dict, grad_accum_steps, parse_args
-from titan_recur.data.loader import DataError, build_dataloader, check_data_config
-from titan_recur.training.fingerprint import check_unchanged, run_fingerprint
-from titan_recur.training.metrics import MetricsLogger, import_wandb
-from titan_recur.models.args import ModelArgs
+from titan_recur.storage.lock import DumpFolderLock, DumpFolderLockedError
 from titan_recur.storage.model_io import (
     resolve_model_args,
     write_atomically,
     write_model_folder,
 )
-from titan_recur.models.loss import count_labels
-from titan_recur.models.model import RecurrentLM
-from titan_recur.training.optim import build_optimizers, clip_coefficient, grad_square_sum, scale_grads_
+from titan_recur.training import cost_model, preflight
 from titan_recur.training.build import build_model
 from titan_recur.training.cost_model import dp_mesh_shape
+from titan_recur.training.fingerprint import check_unchanged, run_fingerprint
+from titan_recur.training.metrics import MetricsLogger, import_wandb
+from titan_recur.training.optim import build_optimizers, clip_coefficient, grad_square_sum, scale_grads_
 from titan_recur.training.parallelize import build_dp_mesh, forward_autocast
 from titan_recur.training.recurrence import RecurrenceSchedule
-from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 from titan_recur.training.validation import Validator
 from titan_recur.training.watchdog import EXIT_STALLED, StepWatchdog, heartbeat_store
 
@@ -90,8 +90,11 @@ def init_distributed(device_choice: str, timeout_s: float) -> DistInfo:
     if use_cuda:
         torch.cuda.set_device(device)
     if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo",
+            device_id=device if use_cuda else None,
+            timeout=timedelta(seconds=timeout_s),
+        )
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     return DistInfo(rank=rank, world_size=world, device=device)
@@ -177,7 +180,9 @@ class Trainer:
     def _load_tokenizer(self):
         folder = self.tokenizer_folder()
         if folder is None:
-            raise ConfigError("set data.tokenizer (a folder with tokenizer files) when training from model.preset or from scratch")
+            raise ConfigError(
+                "set data.tokenizer (a folder with tokenizer files) when training from model.preset or from scratch"
+            )
         tokenizer = load_tokenizer(folder)
         check_vocab(tokenizer, self.model_args.vocab_size)
         if self.cfg.model.dim is not None:  # from scratch: the special tokens are the tokenizer's
@@ -195,8 +200,13 @@ class Trainer:
         states["rng"] = RankLocalState(f"rank_{rank}", TorchRNGState())
         c = self.cfg.checkpoint
         return CheckpointManager(
-            self.dump / c.folder, states, interval=c.interval, keep_latest_k=c.keep_latest_k, async_mode=c.async_mode,
-            fingerprint=self.fingerprint, timeout_s=self.cfg.parallel.timeout_s,
+            self.dump / c.folder,
+            states,
+            interval=c.interval,
+            keep_latest_k=c.keep_latest_k,
+            async_mode=c.async_mode,
+            fingerprint=self.fingerprint,
+            timeout_s=self.cfg.parallel.timeout_s,
         )
 
     # ----------------------------------------------------------------------------------------- loop
@@ -233,8 +243,10 @@ class Trainer:
         moved = self.checkpointer.set_aside(point.set_aside, point.set_aside_as)
         if moved is not None:
             rerun = " (drop --checkpoint.load_step when rerunning or requeuing, or each rerun rewinds again)"
-            self._log(f"moved the later checkpoints {point.set_aside} to {moved}: kept, never resumed automatically"
-                      + (rerun if c.load_step >= 0 else ""))
+            self._log(
+                f"moved the later checkpoints {point.set_aside} to {moved}: kept, never resumed automatically"
+                + (rerun if c.load_step >= 0 else "")
+            )
 
     def _check_fingerprint(self, point: ResumePoint) -> list[str]:
         """The allowed changes of settings since the checkpoint; any other change is refused."""
@@ -262,7 +274,9 @@ class Trainer:
         self.checkpointer.load(step, names=[n for n in self.checkpointer.states if n not in ("dataloader", "rng")])
         source = RankLocalState(f"rank_{self.dist.rank % saved_world}", self.dataloader)
         load_from(folder, {"dataloader": source})
-        self._log(f"resharded {folder} from {ranks(saved_world)} to {ranks(self.dist.world_size)}; data streams restarted")
+        self._log(
+            f"resharded {folder} from {ranks(saved_world)} to {ranks(self.dist.world_size)}; data streams restarted"
+        )
 
     def train(self) -> int:
         self.dump_lock = take_dump_lock(self.dump)  # before the first read of the checkpoints: one run per folder
@@ -360,13 +374,17 @@ class Trainer:
         skipped (non-finite, or a loss spike).
         """
         params = [p for p in self.model.parameters() if p.grad is not None]
-        local = torch.stack([
-            loss_sum.float(),
-            labels.float(),
-            grad_square_sum(params) / self.cfg.parallel.dp_replicate,
-            torch.full((), float(self.preemption.requested), device=self.dist.device),  # a fill, not a copy: no sync
-            torch.full((), float(self.checkpointer.write_finished()), device=self.dist.device),
-        ])
+        local = torch.stack(
+            [
+                loss_sum.float(),
+                labels.float(),
+                grad_square_sum(params) / self.cfg.parallel.dp_replicate,
+                torch.full(
+                    (), float(self.preemption.requested), device=self.dist.device
+                ),  # a fill, not a copy: no sync
+                torch.full((), float(self.checkpointer.write_finished()), device=self.dist.device),
+            ]
+        )
         if dist.is_initialized():
             dist.all_reduce(local)
         total_loss, total_labels, square_sum, preempted, written = local.tolist()
@@ -395,8 +413,10 @@ class Trainer:
         if t.loss_spike_factor and len(window) == t.loss_spike_window:
             median = statistics.median(window)
             if loss > t.loss_spike_factor * median:
-                return (f"loss spike {loss:.4g} > {t.loss_spike_factor:g} x {median:.4g} (the median of the last "
-                        f"{len(window)} steps, training.loss_spike_factor) at step {self.step}")
+                return (
+                    f"loss spike {loss:.4g} > {t.loss_spike_factor:g} x {median:.4g} (the median of the last "
+                    f"{len(window)} steps, training.loss_spike_factor) at step {self.step}"
+                )
         return None
 
     def _validate(self) -> None:
@@ -405,8 +425,9 @@ class Trainer:
     def _print_plan(self) -> None:
         """The start-up banner: the plan `--check` prints, for this world size and device."""
         if self.dist.rank == 0:
-            lines = preflight.plan_lines(self.cfg, self.model_args, self.dist.world_size,
-                                         device_type=self.dist.device.type)
+            lines = preflight.plan_lines(
+                self.cfg, self.model_args, self.dist.world_size, device_type=self.dist.device.type
+            )
             for line in lines:
                 self._log(f"plan: {line}")
 
@@ -436,7 +457,9 @@ class Trainer:
             self.checkpointer.wait()  # an in-flight save holds the last good state: complete it
             latest = self.checkpointer.latest_step()
             last_good = "none" if latest is None else self.checkpointer.step_folder(latest)
-            raise NonFiniteError(f"{message}; {stop}; nothing of this state is saved (latest good checkpoint: {last_good})")
+            raise NonFiniteError(
+                f"{message}; {stop}; nothing of this state is saved (latest good checkpoint: {last_good})"
+            )
         self._log(f"{message}; step skipped ({self.progress.skipped_steps} so far)")
         self.progress.step = self.step
 
@@ -484,8 +507,12 @@ class TrainProgress:
 
     def state_dict(self) -> dict:
         # The losses as one JSON string: DCP would load a list only up to the length of the template's.
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
-                "recent_losses": json.dumps(self.recent_losses)}
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "skipped_steps": self.skipped_steps,
+            "recent_losses": json.dumps(self.recent_losses),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
@@ -594,12 +621,17 @@ def describe_failure(err: Exception, code: int, trainer: Trainer | None, cfg: Jo
     training = trainer is not None and trainer.training
     where = f"at step {trainer.step}" if training else "before training"
     latest = trainer.checkpointer.latest_step() if training else None
-    last_good = "" if not training else (
-        f"; latest complete checkpoint: {'none' if latest is None else trainer.checkpointer.step_folder(latest)}")
+    last_good = (
+        ""
+        if not training
+        else (f"; latest complete checkpoint: {'none' if latest is None else trainer.checkpointer.step_folder(latest)}")
+    )
     if code == EXIT_STALLED:
         reason = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip()).splitlines()[0]  # gloo's source location
-        return (f"a collective failed {where}: {reason} (parallel.timeout_s = {cfg.parallel.timeout_s:g}): another "
-                f"rank stopped, crashed or hung; exiting with {EXIT_STALLED}")
+        return (
+            f"a collective failed {where}: {reason} (parallel.timeout_s = {cfg.parallel.timeout_s:g}): another "
+            f"rank stopped, crashed or hung; exiting with {EXIT_STALLED}"
+        )
     if isinstance(err, (NonFiniteError, CheckpointWriteError)):
         return str(err)
     if code == EXIT_IO_FAILURE:
@@ -622,4 +654,3 @@ def _is_collective_failure(err: RuntimeError) -> bool:
     return isinstance(err, dist.DistError) or any(
         marker in text for marker in ("Timed out", "Connection closed by peer", "Connection reset by peer")
     )
-

@@ -16,8 +16,8 @@ from torch import nn
 
 from titan_recur.config import JobConfig
 from titan_recur.data.loader import build_dataloader
-from titan_recur.models.loss import count_labels
 from titan_recur.data.tokenizer import Tokenizer
+from titan_recur.models.loss import count_labels
 
 
 def check_recurrences(recurrences: Sequence[int]) -> list[int]:
@@ -73,14 +73,18 @@ class Validator:
     over training compares like with like), on this run's seq_len and local batch size.
     """
 
-    def __init__(
-        self, cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_world: int, device: torch.device
-    ) -> None:
+    def __init__(self, cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_world: int, device: torch.device) -> None:
         self.cfg = cfg.validation
         t = cfg.training
         self._loader_args = dict(
-            cfg_data=cfg.data, tokenizer=tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-            rows_per_step=t.local_batch_size, dp_rank=dp_rank, dp_world=dp_world, seed=cfg.job.seed,
+            cfg_data=cfg.data,
+            tokenizer=tokenizer,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+            rows_per_step=t.local_batch_size,
+            dp_rank=dp_rank,
+            dp_world=dp_world,
+            seed=cfg.job.seed,
             split="validation",
         )
         self.device = device
@@ -101,4 +105,4 @@ class Validator:
         if dist.is_initialized():
             totals = totals.to(self.device)
             dist.all_reduce(totals)
-        return mean_losses({r: (float(row[0]), int(row[1])) for r, row in zip(sums, totals.tolist())})
+        return mean_losses({r: (float(row[0]), int(row[1])) for r, row in zip(sums, totals.tolist(), strict=False)})

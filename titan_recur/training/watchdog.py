@@ -109,7 +109,7 @@ class StepWatchdog:
         """'; no heartbeat from rank 1 for 19 s (in step 7, last completed step 6)' for the silent ranks."""
         if self.store is None:
             return ""
-        silent = []
+        silent = []  # type: ignore[var-annotated]
         for rank in range(self.world_size):
             if rank == self.rank or len(silent) >= _SHOWN_RANKS:
                 continue

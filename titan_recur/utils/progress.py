@@ -16,5 +16,4 @@ def progress(items: Iterable[T], *, desc: str, unit: str = "it", total: int | No
 
     The bar disappears when done (leave=False): the command's own summary line stays.
     """
-    return tqdm(items, desc=desc, unit=unit, total=total, file=sys.stderr, leave=False,
-                disable=not sys.stderr.isatty())
+    return tqdm(items, desc=desc, unit=unit, total=total, file=sys.stderr, leave=False, disable=not sys.stderr.isatty())
