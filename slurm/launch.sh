@@ -101,11 +101,12 @@ _expand_host() {
 
 node_hostnames() {
   local nodelist=$1
-  if command -v scontrol >/dev/null 2>&1; then
-    scontrol show hostnames "$nodelist"
-  else
-    expand_hostlist "$nodelist"
+  # scontrol needs a reachable Slurm configuration (not so on a login node of another cluster, or on a
+  # machine with slurm-wlm installed but no cluster): then the built-in expander.
+  if command -v scontrol >/dev/null 2>&1 && scontrol show hostnames "$nodelist" 2>/dev/null; then
+    return
   fi
+  expand_hostlist "$nodelist"
 }
 
 # The #SBATCH --nodes=N of the script that sourced this file (dry runs outside Slurm).
