@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.blocks import BlockSlot
 
-KV_SHARING_MODES = ("full", "latest", "compress-N")
 _COMPRESS = re.compile(r"compress-([1-9][0-9]*)")
 
 
