@@ -441,7 +441,7 @@ def test_resharding_2_to_1_and_1_to_2_continues_with_the_same_losses(tmp_path):
     assert plain["rc"] == 0 and resharded["rc"] == 0, plain["stderr"][-3000:] + resharded["stderr"][-3000:]
     assert refused["rc"] == EXIT_BAD_INPUT and refused["before"] == refused["after"]
     assert "written by 2 ranks, this run has 1" in error_line(refused) and "data.reshard" in error_line(refused)
-    assert "resharded" in resharded["stdout"] and "from 2 to 1 ranks" in resharded["stdout"]
+    assert "resharded" in resharded["stdout"] and "from 2 ranks to 1 rank" in resharded["stdout"]
 
     losses = {
         name: torch.tensor([r["loss"] for r in read_metrics(d)], dtype=torch.float64)
