@@ -37,9 +37,9 @@ from titan_recur.eval.loading import (
 from titan_recur.inference.engine import GenerationOptions, check_prompts, generate, left_pad
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.cache import core_slots_per_block
-from titan_recur.models.model import RecurrentLM
 from titan_recur.storage.checkpoint import CheckpointError
 from titan_recur.storage.model_io import DTYPES, TOKENIZER_FILES
+from titan_recur.training.cost_model import param_counts
 from titan_recur.utils.limits import check_allocation, check_at_least, check_recurrence_bound, kv_cache_bytes
 
 PROG = "python -m titan_recur.generate"
@@ -188,8 +188,7 @@ def check_generation_memory(
     slots = model_args.n_prelude + model_args.n_coda + core
     cache = kv_cache_bytes(rows, capacity, slots, model_args.n_kv_heads, model_args.head_dim, dtype.itemsize)
     logits = rows * options.max_new_tokens * model_args.vocab_size * 4
-    with torch.device("meta"):  # shapes only, no memory
-        weights = sum(p.numel() for p in RecurrentLM(model_args).parameters()) * dtype.itemsize
+    weights = param_counts(model_args).total * dtype.itemsize
     check_allocation(
         cache + logits + weights,
         device,
