@@ -64,7 +64,7 @@ step "titan-recur-eval loss"
 
 step "titan-recur-eval harness"  # the shipped task yaml is found and read (offline, its dataset cannot load)
 set +e
-"$BIN/titan-recur-eval" harness --model-args pretrained=no_such_model --tasks gsm8k_cot_recur --out h 2> harness.err
+"$BIN/titan-recur-eval" harness --model-args pretrained=run/final_model --tasks gsm8k_cot_recur --out h 2> harness.err
 code=$?
 set -e
 if [ $code -ne 2 ] || grep -q "unknown task" harness.err || ! grep -q "openai/gsm8k" harness.err; then
