@@ -476,7 +476,8 @@ def test_cli_sets_data_from_nothing_and_nested_phases():
         ),
         (
             ["--data.sources.0", "a"],
-            "command line: --data.sources.0 is a table; set its fields as --data.sources.0.key",
+            "command line: --data.sources.0 is an entry of data.sources; the only value it takes is none (drop it); "
+            "set its fields as --data.sources.0.key",
         ),
         (["--data.sources.0.weight", "heavy"], "command line: --data.sources.0.weight expects float, got 'heavy'"),
         (["--data.phases.0.sources", "a"], "command line: --data.phases.0.sources is an array of tables"),

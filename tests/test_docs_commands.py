@@ -313,6 +313,7 @@ RUN = {
     "train_configs/llama3_2_1b_static.toml": {},
     "python tools/flops.py --config train_configs/llama3_2_1b_static.toml --world-size 64 --match "
     "train_configs/llama3_2_1b.toml": {},
+    "python -m titan_recur.train --config train_configs/llama3_2_1b_mixture.toml --print-config --data.sources.2 none": {},
 }
 
 

@@ -493,8 +493,20 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
+def config_to_json(cfg: JobConfig) -> str:
+    """The resolved config as the run saves it (config.json) and ``--print-config`` shows it; ``--config`` reads it."""
+    return json.dumps(config_to_dict(cfg), indent=2) + "\n"
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line
+
+
+class _Entry:
+    """The type of ``--ARRAY.N`` (an entry of an array of tables): its one value, none, drops the entry."""
+
+
+_DROP = object()  # the parsed value of ``--ARRAY.N none``
 
 
 def _options() -> dict[str, Any]:
@@ -549,7 +561,7 @@ def _option_type(name: str, options: dict[str, Any]) -> Any:
             raise ConfigError(f"{_CLI}: --{name}: expected an entry number after --{prefix}, got {index!r}")
         prefix += f".{index}"
         if not rest:
-            raise ConfigError(f"{_CLI}: --{name} is a table; set its fields as --{name}.key")
+            return _Entry
         cls = get_args(tp)[0]
         key, *rest = rest
         if key not in _hints(cls):
@@ -559,13 +571,22 @@ def _option_type(name: str, options: dict[str, Any]) -> Any:
 
 
 def _assign(cfg: JobConfig, name: str, value: Any) -> None:
-    """Set option ``name`` (see _option_type); entry number len(array) appends a table of defaults."""
+    """Set option ``name`` (see _option_type); entry number len(array) appends a table of defaults.
+
+    ``value`` _DROP removes the entry ``name`` names; the entries after it move up by one.
+    """
     parts = name.split(".")
     obj = getattr(cfg, parts[0])
     for depth, (key, index) in enumerate(zip(parts[1::2], map(int, parts[2::2]), strict=False)):
         entries = getattr(obj, key)
+        array = ".".join(parts[: 2 * depth + 2])
+        if value is _DROP and 2 * depth + 3 == len(parts):
+            if index >= len(entries):
+                numbers = f" (0..{len(entries) - 1})" if entries else ""
+                raise ConfigError(f"{_CLI}: --{name}: {array} has {len(entries)} entries{numbers}; nothing to drop")
+            del entries[index]
+            return
         if index > len(entries):
-            array = ".".join(parts[: 2 * depth + 2])
             raise ConfigError(
                 f"{_CLI}: --{name}: {array} has {len(entries)} entries; use an entry number up to "
                 f"{len(entries)} (that one appends a new entry)"
@@ -598,9 +619,20 @@ def _parse_overrides(argv: Sequence[str]) -> list[tuple[str, Any]]:
             if tp is bool and (nxt is None or nxt.startswith("--")):
                 text = "true"
             elif nxt is None:
-                raise ConfigError(f"{_CLI}: --{name} needs a value ({_type_name(tp)})")
+                what = "none, to drop the entry" if tp is _Entry else _type_name(tp)
+                raise ConfigError(f"{_CLI}: --{name} needs a value ({what})")
             else:
                 text, i = nxt, i + 1
+        if tp is _Entry:
+            if text.lower() != "none":
+                array = name.rpartition(".")[0]
+                raise ConfigError(
+                    f"{_CLI}: --{name} is an entry of {array}; the only value it takes is none (drop it); "
+                    f"set its fields as --{name}.key"
+                )
+            out.append((name, _DROP))
+            i += 1
+            continue
         try:
             out.append((name, _from_text(text, tp)))
         except ValueError:
@@ -656,11 +688,15 @@ def format_help(prog: str = "train") -> str:
         "Defaults < config file < command line. Lists are comma-separated (1,2,4); 'none' sets an",
         "optional value to None; booleans take true/false/1/0/yes/no, and a bare flag means true.",
         "A field of an array of tables takes the entry number: --data.sources.0.path FILE (the next",
-        "number appends an entry).",
+        "number appends an entry); --data.sources.1 none drops entry 1 (one the config inherited, say),",
+        "and the entries after it move up by one for the overrides that follow.",
         "",
         "  --config FILE",
         '      TOML job config (or a saved config.json). A file may start with extends = "base.toml" (or a',
         "      list of files, relative to it): its tables merge over theirs, arrays replace theirs.",
+        "  --print-config",
+        "      Print the resolved config (defaults < file < command line, values checked) as JSON and",
+        "      exit, before any model, tokenizer or data file is opened; --config reads the output back.",
         "  -h, --help",
         "      Show this help and exit.",
         "",
@@ -921,10 +957,13 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> JobConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:
-    """The trainer's command line: ``[--config FILE] [--section.key value ...]``; ``--help`` exits 0."""
+    """The trainer's command line: ``[--config FILE] [--section.key value ...]``; ``--help`` and ``--print-config`` exit 0."""
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         print(format_help(os.path.basename(sys.argv[0]) or "train"))
         raise SystemExit(0)
     path, overrides = _split_config_arg(argv)
+    if "--print-config" in overrides:
+        print(config_to_json(load_config(path, [a for a in overrides if a != "--print-config"])), end="")
+        raise SystemExit(0)
     return load_config(path, overrides)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_recur.config import ConfigError, JobConfig, config_to_dict, grad_accum_steps, parse_args
+from titan_recur.config import ConfigError, JobConfig, config_to_dict, config_to_json, grad_accum_steps, parse_args
 from titan_recur.data.loader import DataError, build_dataloader, check_data_config
 from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 from titan_recur.models.args import ModelArgs
@@ -470,7 +470,7 @@ class Trainer:
     def _write_run_config(self) -> None:
         """The resolved config beside the run's outputs (and on the console with job.print_config)."""
         if self.dist.rank == 0:
-            text = json.dumps(config_to_dict(self.cfg), indent=2) + "\n"
+            text = config_to_json(self.cfg)
             self.dump.mkdir(parents=True, exist_ok=True)
             tmp = self.dump / "config.json.tmp"  # a failed write (disk full) leaves the previous config.json
             try:
