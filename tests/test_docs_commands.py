@@ -314,6 +314,8 @@ RUN = {
     "python tools/flops.py --config train_configs/llama3_2_1b_static.toml --world-size 64 --match "
     "train_configs/llama3_2_1b.toml": {},
     "python -m titan_recur.train --config train_configs/llama3_2_1b_mixture.toml --print-config --data.sources.2 none": {},
+    "python -m titan_recur.train --config train_configs/debug_model.toml --job.dump_folder outputs/profiled "
+    "--training.steps 3 --profiling.trace_steps 2 --profiling.memory_snapshot": {"outputs/profiled": "{tmp}/profiled"},
 }
 
 

@@ -363,6 +363,23 @@ class Metrics:
 
 
 @dataclass
+class Profiling:
+    """torch.profiler traces and memory snapshots of chosen steps, under the dump folder (docs/benchmarks.md)."""
+
+    trace_steps: list[int] = opt(
+        [],
+        "Steps to trace with torch.profiler (CPU and CUDA operators, shapes; forward, backward and optimizer "
+        "labelled): one Chrome/Perfetto trace per rank in job.dump_folder/save_folder/step-N/; [] = off.",
+    )
+    memory_snapshot: bool = opt(
+        False,
+        "With each trace, its memory: the CUDA allocator's snapshot (a pickle for pytorch.org/memory_viz) on "
+        "GPU, a table of the operators by CPU memory allocated on CPU.",
+    )
+    save_folder: str = opt("profile", "Folder for the traces, relative to job.dump_folder.")
+
+
+@dataclass
 class Debug:
     """Fault injection, to exercise the trainer's guards end to end (tests and drills, not training)."""
 
@@ -385,6 +402,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
     debug: Debug = field(default_factory=Debug)
 
 
@@ -839,6 +857,15 @@ def _validate_data(d: Data) -> None:
         )
 
 
+def _validate_profiling(p: Profiling, steps: int) -> None:
+    for step in p.trace_steps:
+        _require(1 <= step <= steps, f"profiling.trace_steps must be in 1..training.steps ({steps}), got {step}")
+    _require(
+        not p.memory_snapshot or p.trace_steps,
+        "profiling.memory_snapshot is written with a trace: set profiling.trace_steps (the steps to record)",
+    )
+
+
 def validate(cfg: JobConfig) -> None:
     """Cross-field checks that types can't express; file existence is left to the trainer."""
     for name, low in _AT_LEAST.items():
@@ -880,6 +907,7 @@ def validate(cfg: JobConfig) -> None:
     _require(all(n >= 1 for n in recurrences), f"validation.recurrences must all be >= 1, got {recurrences}")
     peak = cfg.metrics.peak_flops
     _require(peak is None or peak > 0, f"metrics.peak_flops must be > 0, got {peak}")
+    _validate_profiling(cfg.profiling, t.steps)
     _validate_model(cfg.model)
     _validate_data(cfg.data)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from titan_recur.config import ConfigError, JobConfig, config_to_dict, config_to_json, grad_accum_steps, parse_args
 from titan_recur.data.loader import DataError, build_dataloader, check_data_config
@@ -52,6 +53,7 @@ from titan_recur.training.fingerprint import check_unchanged, run_fingerprint
 from titan_recur.training.metrics import MetricsLogger, import_wandb
 from titan_recur.training.optim import build_optimizers, clip_coefficient, grad_square_sum, scale_grads_
 from titan_recur.training.parallelize import build_dp_mesh, forward_autocast
+from titan_recur.training.profiling import StepProfiler
 from titan_recur.training.recurrence import RecurrenceSchedule
 from titan_recur.training.validation import Validator
 from titan_recur.training.watchdog import EXIT_STALLED, StepWatchdog, heartbeat_store
@@ -175,6 +177,7 @@ class Trainer:
         self.async_save_written = False  # every rank's background save has finished (agreed each step)
         self.training = False  # the loop has started: failures from now on name the step and last checkpoint
         self.watchdog = StepWatchdog(cfg.training.step_timeout_s, self.dist.rank, self.dist.world_size)
+        self.profiler = StepProfiler(cfg.profiling, self.dump, self.dist.rank, self.dist.device)
         self.dump_lock: DumpFolderLock | None = None
 
     def _load_tokenizer(self):
@@ -292,7 +295,8 @@ class Trainer:
         while self.step < steps:
             self.step += 1
             self.watchdog.step_started(self.step)
-            record = self.train_step(data_iter)
+            with self.profiler.step(self.step):
+                record = self.train_step(data_iter)
             if record is not None and (self.step % self.cfg.metrics.log_freq == 0 or self.step == steps):
                 self.metrics.log_window(record, self.dist.device)
             if self.validator.due(self.step, steps):
@@ -353,13 +357,17 @@ class Trainer:
         t = self.cfg.training
         input_ids = batch["input_ids"].to(self.dist.device, non_blocking=True)
         labels = batch["labels"].to(self.dist.device, non_blocking=True)
-        with forward_autocast(self.dist.device.type, t.mixed_precision_param, t.mixed_precision_mode):
+        with (
+            record_function("forward"),
+            forward_autocast(self.dist.device.type, t.mixed_precision_param, t.mixed_precision_mode),
+        ):
             loss_sum = self.model(input_ids, (n, k), labels=labels, loss_chunk_tokens=t.loss_chunk_tokens)
         if self.step == self.cfg.debug.inject_nan_at_step:
             loss_sum = loss_sum * float("nan")
         if self.step == self.cfg.debug.inject_spike_at_step:
             loss_sum = loss_sum * 1000
-        loss_sum.backward()
+        with record_function("backward"):
+            loss_sum.backward()
         return loss_sum.detach(), count_labels(labels)
 
     def optimizer_step(
@@ -399,7 +407,8 @@ class Trainer:
             return None
         scale_grads_(params, grad_scale * clip_coefficient(grad_norm, self.cfg.training.max_norm))
         lrs = self.optimizers.current_lrs()
-        self.optimizers.step()
+        with record_function("optimizer"):
+            self.optimizers.step()
         self.optimizers.step_schedulers()
         self.optimizers.zero_grad()
         self.progress.record_loss(loss, self.cfg.training.loss_spike_window)
