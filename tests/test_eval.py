@@ -299,6 +299,19 @@ def test_bad_model_args(model_dir: Path, model_args: str, message: str) -> None:
         TitanRecurLM(**simple_parse_args_string(f"pretrained={model_dir},{model_args}"))
 
 
+def test_unverified_model_arg_loads_a_folder_without_its_manifest(model_dir: Path, tmp_path: Path) -> None:
+    from lm_eval.utils import simple_parse_args_string
+
+    from titan_recur.eval.lm_eval_model import TitanRecurLM
+
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare)
+    (bare / "manifest.json").unlink()
+    with pytest.raises(Exception, match="--unverified"):
+        TitanRecurLM(pretrained=str(bare))
+    assert TitanRecurLM(**simple_parse_args_string(f"pretrained={bare},unverified=true")).model is not None
+
+
 def test_generate_until_refuses_sampling(model_dir: Path) -> None:
     from titan_recur.eval.lm_eval_model import TitanRecurLM
 

@@ -325,6 +325,19 @@ def test_export_tool_and_its_errors(recurrent_dir: Path, tmp_path: Path, capsys:
     assert tool.main([str(recurrent_dir), str(out), "--force"]) == 0
 
 
+def test_export_of_a_folder_without_manifest_needs_unverified(
+    recurrent_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    bare = tmp_path / "bare"
+    shutil.copytree(recurrent_dir, bare)
+    (bare / "manifest.json").unlink()
+    tool = export_tool()
+    assert tool.main([str(bare), str(tmp_path / "refused")]) == 2
+    assert "--unverified" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+    assert tool.main([str(bare), str(tmp_path / "hf"), "--unverified"]) == 0
+    assert (tmp_path / "hf" / "manifest.json").is_file()
+
+
 def test_export_rejects_bad_options(recurrent_dir: Path, tmp_path: Path) -> None:
     model = load_model(recurrent_dir)
     with pytest.raises(ExportError, match="state_init"):

@@ -151,3 +151,29 @@ def test_generate_with_the_embedding_offloaded_to_disk(exported: Path, tmp_path:
         expected = in_memory.generate(ids, max_new_tokens=6, eos_token_id=None, **kwargs)
         kwargs = {**kwargs, "generator": torch.Generator().manual_seed(0)} if kwargs["do_sample"] else kwargs
         assert torch.equal(offloaded.generate(ids, max_new_tokens=6, eos_token_id=None, **kwargs), expected)
+
+
+def test_speculative_generate_equals_greedy_at_the_target_depth(exported: Path, model_dir: Path) -> None:  # noqa: F811
+    """draft_steps/lookahead through the HF generate: greedy's tokens, and what the drafts cost per row."""
+    model = load(exported).eval()
+    ids = batch(shape=(2, 5))
+    plain = model.generate(ids, max_new_tokens=12, eos_token_id=None, num_steps=8)
+    out = model.generate(
+        ids,
+        max_new_tokens=12,
+        eos_token_id=None,
+        num_steps=8,
+        draft_steps=1,
+        lookahead=4,
+        return_dict_in_generate=True,
+    )
+    assert torch.equal(out.sequences, plain)
+    assert out.draft_proposed.shape == (2,) and bool((out.draft_accepted <= out.draft_proposed).all())
+    assert bool((out.draft_accepted < out.draft_proposed).any()), "the draft never disagreed: the test could not fail"
+    options = GenerationOptions(max_new_tokens=12, num_steps=8, draft_steps=1, lookahead=4, state_init="zero")
+    expected = engine_generate(load_model(model_dir), ids, options).speculation
+    assert torch.equal(out.core_iterations, expected.core_iterations)
+    with pytest.raises(ValueError, match="draft_steps must be an integer in"):
+        model.generate(ids, max_new_tokens=2, num_steps=8, draft_steps=8)
+    with pytest.raises(ValueError, match="draft_steps run in titan_recur's engine, which cannot serve beam_search"):
+        model.generate(ids, max_new_tokens=2, num_beams=2, num_steps=8, draft_steps=2)

@@ -717,6 +717,36 @@ def test_lm_eval_model_and_harness_sweep_exit_thresholds(model_dir: Path, tmp_pa
         TitanRecurLM(**{**args, "min_steps": 7})
 
 
+def test_lm_eval_model_decodes_speculatively_with_the_same_answers(model_dir: Path, monkeypatch) -> None:
+    """model_args draft_steps/lookahead: the plain run's responses; the depth stats count drafts and verifies."""
+    import lm_eval.evaluator
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import simple_parse_args_string
+
+    from titan_recur.eval.lm_eval_model import TitanRecurLM
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)
+    manager = TaskManager(include_path=str(REPO / "tests" / "assets_lm_eval"), include_defaults=False)
+    common = f"pretrained={model_dir},num_steps=6,max_gen_toks=8,batch_size=2"
+    responses, stats = [], []
+    for extra in ("", ",draft_steps=1,lookahead=4"):
+        lm = TitanRecurLM(**simple_parse_args_string(common + extra))
+        result = simple_evaluate(
+            model=lm, tasks=["titan_recur_tiny_gen"], task_manager=manager, limit=3, log_samples=True
+        )
+        responses.append([s["resps"] for s in result["samples"]["titan_recur_tiny_gen"]])
+        stats.append(lm.depth_stats["titan_recur_tiny_gen"])
+    assert responses[0] == responses[1]
+    (tokens, plain_iterations), (spec_tokens, spec_iterations) = stats
+    assert tokens == spec_tokens and plain_iterations == 6 * tokens
+    assert spec_iterations != plain_iterations  # drafts at 1 and verifies at 6, not 6 per token
+    with pytest.raises(ValueError, match="lookahead must be an integer >= 1"):
+        TitanRecurLM(**simple_parse_args_string(common + ",draft_steps=1,lookahead=0"))
+
+
 def test_hf_export_generate_takes_the_depth_knobs(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights dtype (default float32)")
     parser.add_argument("--force", action="store_true", help="overwrite a previous export in OUTPUT")
     parser.add_argument(
+        "--unverified",
+        action="store_true",
+        help="export a model folder that has no manifest.json, its files unchecked (the export is sealed anew)",
+    )
+    parser.add_argument(
         "--push-to-hub",
         metavar="REPO",
         help="then upload OUTPUT to the Hub repo OWNER/NAME (created if missing; needs a login)",
@@ -64,7 +69,7 @@ def run(argv: list[str] | None = None) -> None:
     if args.push_to_hub is not None:
         check_repo_id(args.push_to_hub)  # before anything is written
     tokenizer_folder = args.tokenizer or default_tokenizer_folder(args.checkpoint, args.model_config)
-    model = load_checkpoint(args.checkpoint, args.model_config)
+    model = load_checkpoint(args.checkpoint, args.model_config, unverified=args.unverified)
     check_vocab(load_tokenizer(tokenizer_folder), model.args.vocab_size)
     export_hf(
         model,

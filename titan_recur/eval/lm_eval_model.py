@@ -26,7 +26,7 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 
 from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 from titan_recur.eval.loading import default_tokenizer_folder, load_checkpoint, resolve_device
-from titan_recur.inference.engine import WARM_START, GenerationOptions, generate, left_pad
+from titan_recur.inference.engine import WARM_START, GenerationOptions, GenerationOutput, generate, left_pad
 from titan_recur.training.validation import check_recurrences
 
 
@@ -37,11 +37,13 @@ class TitanRecurLM(TemplateLM):
     state_init (default: deterministic, see ModelArgs.eval_state_init; "previous" warm-starts generated
     tokens), tokenizer=FOLDER (default: the model folder); for generation: kv_sharing (full|latest|compress-N),
     exit_criterion (kl|latent-diff|entropy-diff|argmax), exit_threshold, min_steps, check_every, compile,
-    iterations_per_call (core iterations per compiled call).
+    iterations_per_call (core iterations per compiled call), draft_steps and lookahead (speculative decoding
+    over depth: the same greedy tokens as num_steps, docs/generation.md); unverified=true loads a model
+    folder that has no manifest (storage/model_io.py).
 
     ``num_steps`` and ``exit_threshold`` may be changed between evaluations of the same instance (the
     harness sweep does). ``depth_stats`` accumulates, per task, generated tokens and the core iterations
-    they ran (``reset_depth_stats`` clears it).
+    they ran, the drafts and verifications of speculative decoding included (``reset_depth_stats`` clears it).
     """
 
     def __init__(
@@ -63,6 +65,9 @@ class TitanRecurLM(TemplateLM):
         check_every: int = 1,
         compile: bool = False,
         iterations_per_call: int = GenerationOptions.iterations_per_call,
+        draft_steps: int | None = None,
+        lookahead: int = GenerationOptions.lookahead,
+        unverified: bool = False,
     ) -> None:
         super().__init__()
         if str(batch_size).startswith("auto"):
@@ -71,7 +76,9 @@ class TitanRecurLM(TemplateLM):
         if self.batch_size < 1:
             raise ValueError(f"titan_recur: batch_size must be >= 1, got {batch_size}")
         self._device = resolve_device(device)
-        self.model = load_checkpoint(pretrained, model_config, device=self._device, dtype=dtype)
+        self.model = load_checkpoint(
+            pretrained, model_config, device=self._device, dtype=dtype, unverified=bool(unverified)
+        )
         self.tokenizer = load_tokenizer(tokenizer or default_tokenizer_folder(pretrained, model_config))
         check_vocab(self.tokenizer, self.model.args.vocab_size)
         # Scoring starts every position from the init; "previous" only applies to generated tokens.
@@ -87,6 +94,8 @@ class TitanRecurLM(TemplateLM):
             state_init=state_init,
             compile=bool(compile),
             iterations_per_call=int(iterations_per_call),
+            draft_steps=None if draft_steps is None else int(draft_steps),
+            lookahead=int(lookahead),
         )
         self.num_steps = self.model.args.mean_recurrence if num_steps is None else int(num_steps)
         self.depth_stats: dict[str, list[int]] = {}
@@ -215,10 +224,11 @@ class TitanRecurLM(TemplateLM):
                 attention_mask=attention_mask.to(self._device),
                 stop=self._stop_check(until),
             )
-            rows = zip(batch, out.tokens.tolist(), out.steps.tolist(), out.lengths.tolist(), strict=False)
-            for (context, gen_kwargs, task), tokens, steps, length in rows:
+            spent = iterations_spent(out)
+            rows = zip(batch, out.tokens.tolist(), spent, out.lengths.tolist(), strict=False)
+            for (context, gen_kwargs, task), tokens, iterations, length in rows:
                 stats = self.depth_stats.setdefault(task, [0, 0])
-                stats[0], stats[1] = stats[0] + length, stats[1] + sum(steps[:length])
+                stats[0], stats[1] = stats[0] + length, stats[1] + iterations
                 if self.eot_token_id in tokens:
                     tokens = tokens[: tokens.index(self.eot_token_id)]
                 text = postprocess_generated_text(self.tok_decode(tokens), until, None)
@@ -250,3 +260,11 @@ def _pad(rows: list[list[int]], value: int, left: bool) -> torch.Tensor:
     width = max(len(row) for row in rows)
     padded = [[value] * (width - len(row)) + row if left else row + [value] * (width - len(row)) for row in rows]
     return torch.tensor(padded, dtype=torch.long)
+
+
+def iterations_spent(out: GenerationOutput) -> list[int]:
+    """Core iterations each row ran for its emitted tokens: per-token steps, or speculation's drafts + verifies."""
+    if out.speculation is not None:
+        return out.speculation.core_iterations.tolist()
+    emitted = torch.arange(out.steps.shape[1], device=out.steps.device)[None, :] < out.lengths[:, None]
+    return (out.steps * emitted).sum(dim=1).tolist()

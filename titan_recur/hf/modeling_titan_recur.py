@@ -275,6 +275,8 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         check_every: int = 1,
         state_init: str | None = None,
         seed: int | None = None,
+        draft_steps: int | None = None,
+        lookahead: int = GenerationOptions.lookahead,
         **kwargs: Any,
     ) -> torch.LongTensor | ModelOutput:
         """Prompt + new tokens (B, T + N), or with ``return_dict_in_generate`` a ``TitanRecurGenerateOutput``.
@@ -283,7 +285,9 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         or the model's, then the call's kwargs, then transformers' defaults). Greedy and sampled decoding
         (temperature, top_p; sampling with top_k only when top_k is 0 or None) run titan_recur's engine with its
         test-time depth knobs: num_steps (default config.num_steps, else config.mean_recurrence), kv_sharing,
-        exit_criterion, exit_threshold, min_steps, check_every, state_init ("previous": warm start). Anything
+        exit_criterion, exit_threshold, min_steps, check_every, state_init ("previous": warm start), draft_steps
+        and lookahead (speculative decoding over depth: drafts at draft_steps, verified at num_steps, the same
+        greedy tokens as plain decoding at num_steps). Anything
         else (beam search, top_k, repetition_penalty, assisted decoding, logits processors, ...) runs
         transformers' generate through ``forward`` at depth num_steps. Sampling draws from ``generator``, else
         from torch's global RNG (``torch.manual_seed``), else from ``seed`` when given.
@@ -297,9 +301,9 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             device = generator.device if generator is not None else "cpu"
             seed = int(torch.randint(2**62, (), generator=generator, device=device))
         if blockers:
-            if kv_sharing != "full" or exit_criterion is not None or state_init == WARM_START:
+            if kv_sharing != "full" or exit_criterion is not None or state_init == WARM_START or draft_steps:
                 raise ValueError(
-                    f"kv_sharing, exit_criterion and warm start run in titan_recur's engine, which cannot serve "
+                    f"kv_sharing, exit_criterion, warm start and draft_steps run in titan_recur's engine, which cannot serve "
                     f"{', '.join(blockers)} (it serves greedy and sampled decoding: temperature, top_p)"
                 )
             return self.transformers_generate(
@@ -323,6 +327,8 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             top_p=config.top_p if sample else 1.0,
             seed=seed if sample else 0,
             eos_id=eos_ids[0] if eos_ids else None,
+            draft_steps=draft_steps,
+            lookahead=lookahead,
         )
         more_eos = torch.tensor(eos_ids[1:], dtype=torch.long, device=input_ids.device)
 
@@ -348,7 +354,15 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         if not config.return_dict_in_generate:
             return sequences  # type: ignore[return-value]
         logits = tuple(out.logits.unbind(1)) if config.output_logits else None
-        return TitanRecurGenerateOutput(sequences=sequences, logits=logits, steps=out.steps)
+        spec = out.speculation
+        return TitanRecurGenerateOutput(
+            sequences=sequences,
+            logits=logits,
+            steps=out.steps,
+            draft_accepted=None if spec is None else spec.accepted,
+            draft_proposed=None if spec is None else spec.drafted,
+            core_iterations=None if spec is None else spec.core_iterations,
+        )
 
     def engine_blockers(
         self, config: GenerationConfig, model_kwargs: dict[str, Any], input_ids: torch.Tensor | None
@@ -473,9 +487,13 @@ class TransformersKVCache(KVCache):
 @dataclass
 class TitanRecurGenerateOutput(GenerateDecoderOnlyOutput):
     """transformers' decoder-only generate output, plus ``steps`` (B, N): the core iterations each new token ran
-    (below num_steps where it exited early; 0 after its row finished)."""
+    (below num_steps where it exited early; 0 after its row finished). With draft_steps, per row (B,): the
+    drafted tokens proposed and accepted, and the core iterations drafts and verifications ran in all."""
 
     steps: torch.LongTensor | None = None
+    draft_proposed: torch.LongTensor | None = None
+    draft_accepted: torch.LongTensor | None = None
+    core_iterations: torch.LongTensor | None = None
 
 
 def default_generation_config() -> GenerationConfig:
