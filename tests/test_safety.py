@@ -38,6 +38,7 @@ from tests.test_checkpoint import (
     write_config,
 )
 from tests.test_train_distributed import make_model_dir
+from tests.torchrun_util import run_torchrun
 from titan_recur.config import ConfigError, load_config
 from titan_recur.storage.checkpoint import scan_checkpoints, verify_checkpoint
 from titan_recur.storage.manifest import MANIFEST_NAME, IntegrityError
@@ -461,6 +462,24 @@ def test_disk_full_is_one_line_and_the_previous_checkpoint_stays_intact(runs):
     assert rerun["rc"] == EXIT_IO_FAILURE, rerun["stderr"][-3000:]
     assert "I/O failure before training: [Errno 28] No space left on device" in error_line(rerun)
     assert rerun["before"] == rerun["after"]
+
+
+def test_disk_full_readings_agree_across_ranks(tmp_path):
+    """A rank whose own error does not say the disk is full (torch.save's "unexpected pos") still says
+    "No space left", though rank 0 removes the incomplete folder (and so frees the disk) a second before
+    that rank reads the disk: the ranks agree on the reading first."""
+    disk = tmp_path / "tmpfs"
+    with tmpfs(disk):
+        folder, out = disk / "checkpoints", tmp_path / "message"
+        run_torchrun([str(WORKERS_DIR / "disk_full_worker.py"), str(folder), str(out)], nproc=2)
+        partial_left = (folder / "step-4.partial").exists()
+    for rank in (0, 1):
+        message = Path(f"{out}.{rank}").read_text()
+        assert message.startswith(
+            f"cannot write checkpoint {folder}/step-4.partial: RuntimeError: unexpected pos {1000 + rank}"
+        )
+        assert "; No space left on device (" in message, (rank, message)
+    assert not partial_left
 
 
 # -------------------------------------------------------------------------------------------- tools
