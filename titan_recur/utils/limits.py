@@ -1,4 +1,4 @@
-"""Bounds on what a command line may ask for, checked before any work (docs/cluster.md, "Bounds").
+"""Bounds on what a command line may ask for, checked before any work (docs/cluster.md, "Bounds, overwrites, one run per folder, integrity").
 
 One helper for every tool: a count must be >= 1, a sequence length fit the model's positions, a
 recurrence stay below ``MAX_RECURRENCE``, and the memory a tool is about to allocate (a KV cache, a
