@@ -75,7 +75,7 @@ def missing() -> str | None:
     """Why no private cluster can start here (None: it can)."""
     absent = [name for name in PROGRAMS if shutil.which(name, path=SBIN_PATH) is None]
     if absent:
-        return f"no {', '.join(absent)} here (Debian: apt-get install slurm-wlm munge; tools/setup_env.sh does it as root)"
+        return f"no {', '.join(absent)} here (apt-get install slurm-wlm munge; tools/setup_env.sh does it as root)"
     if os.geteuid() != 0:
         return "a private Slurm cluster needs root (slurmd starts job steps as their user)"
     return None
