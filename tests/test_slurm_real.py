@@ -10,6 +10,7 @@ makes that a failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -151,9 +152,9 @@ def preempt(cluster: SlurmCluster, job_id: int, run_name: str, log: Path) -> Non
     poll(checkpointed, "a first complete checkpoint", CHECKPOINT_TIMEOUT_S, lambda: tail(log))
     pids = trainer_pids(run_name)
     assert len(pids) == 2, f"trainer processes {pids}, expected 2\n{tail(log)}"
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
     try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
         cluster.client("scancel", "--signal=USR1", "--batch", str(job_id))
         forwarded = [f"Sending process {pid} closing signal SIGUSR1" for pid in pids]
         poll(
@@ -164,7 +165,8 @@ def preempt(cluster: SlurmCluster, job_id: int, run_name: str, log: Path) -> Non
         )
     finally:
         for pid in pids:
-            os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # a trainer that died keeps its own error
+                os.kill(pid, signal.SIGCONT)
 
 
 def wait_until_ended(cluster: SlurmCluster, job_id: int, log: Path) -> dict[str, str]:
