@@ -25,7 +25,7 @@
 #                     --signal=B:USR1@300). Read by recent torchrun (2.13); older ones use 30 s.
 #   MAX_REQUEUES      no more self-requeues once SLURM_RESTART_COUNT reaches this (default 100)
 #   VENV              virtualenv to activate (default: $REPO/.venv when it exists)
-#   TORCHRUN          the torchrun command (default: torchrun)
+#   TORCHRUN          the torchrun command (default: torchrun, through the stand-in below)
 #   SRUN_EXTRA_ARGS   extra srun flags for site quirks, e.g. "--gpus-per-node=8 --cpu-bind=none"
 #   PYTHON            the python of the dry run's preflight (default: $VENV/bin/python, else
 #                     $REPO/.venv/bin/python, else python3); PREFLIGHT=0 skips the preflight
@@ -40,9 +40,16 @@
 #   The trap below forwards it once to srun, which relays it to its tasks: the torchrun agents (and,
 #   with proctrack/cgroup, every process of the step). torchrun, told to handle SIGUSR1
 #   (--signals-to-handle), forwards it to its workers and waits SHUTDOWN_TIMEOUT seconds; each
-#   trainer finishes its step, all ranks agree, write a checkpoint and exit 42. torchrun itself then
-#   exits 1 (it never propagates a worker's exit code: measured with torch 2.13), so the requeue
-#   decision is: srun failed AND (its status was 42 OR this shell received SIGUSR1).
+#   trainer finishes its step, all ranks agree, write a checkpoint and exit 42. torchrun itself never
+#   propagates a worker's exit code (measured with torch 2.13), so the requeue decision is: srun
+#   failed AND (its status was 42 OR this shell received SIGUSR1).
+#   torchrun ends a handled signal by re-raising torch's SignalException out of its main() once its
+#   workers are down: the planned path, which Python reports as an uncaught exception (a traceback in
+#   the job log per node, status 1). So the job step runs a stand-in first on PATH (written to
+#   .cache/launch/job-<id>/, shared like the checkout, removed when srun ends): the same
+#   torch.distributed.run.main under torchrun's own interpreter, which turns only that exception into
+#   one "[launch] torchrun on <node>: ..." line and status 128 + signal; any other error keeps its
+#   traceback. Not with TORCHRUN set (that command runs as given).
 #   Why not --signal=USR1@300 (without B:)? Slurm would then signal the step processes directly but
 #   not this shell, which could not know to requeue; and with proctrack/pgid the workers (torchrun
 #   starts them in their own sessions) would not get it at all. Without --signals-to-handle,
@@ -127,6 +134,53 @@ _quote() {
     fi
   done
   printf '%s' "${out[*]}"
+}
+
+# The stand-in's program (see "torchrun ends a handled signal" above): torchrun's main(), with the
+# SignalException it raises after shutting its workers down on a handled signal reported in one line.
+TORCHRUN_QUIET_PY='"""torchrun, ending in one line on a signal it handled (written by slurm/launch.sh)."""
+import os
+import signal
+import socket
+import sys
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.run import main
+
+try:
+    main()
+except SignalException as exc:
+    handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    for name in handled.split(","):
+        signal.signal(getattr(signal, name.strip()), signal.SIG_IGN)  # ending now: a later one changes nothing
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    status = 128 + exc.sigval
+    print(
+        f"[launch] torchrun on {node}: got {exc.sigval.name}, passed it to its workers and waited for them "
+        f"(up to TORCH_ELASTIC_SHUTDOWN_TIMEOUT s); exit {status}",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.exit(status)
+'
+
+# Put the stand-in for `torchrun` first on PATH (exported to the job step); false when it cannot be
+# made (no torchrun on PATH, or its first line is not a plain "#!/path/python"): torchrun runs as is.
+quiet_torchrun() {
+  local dir=$1 real shebang python
+  real=$(command -v torchrun) || return 1
+  IFS= read -r shebang < "$real" || return 1
+  python=${shebang#\#!}
+  if [[ $shebang != "#!/"* || $python == *[[:space:]]* || ${python##*/} != python* || ! -x $python ]]; then
+    log "torchrun: $real as is (its first line '$shebang' is not a plain python path)"
+    return 1
+  fi
+  mkdir -p "$dir" || return 1
+  printf '%s' "$TORCHRUN_QUIET_PY" > "$dir/torchrun_quiet.py" || return 1
+  printf '#!/bin/bash\nexec %q %q "$@"\n' "$python" "$dir/torchrun_quiet.py" > "$dir/torchrun" || return 1
+  chmod +x "$dir/torchrun" || return 1
+  export PATH="$dir:$PATH"
+  log "torchrun: $real through $dir/torchrun (a signal it forwards ends it in one line, not a traceback)"
 }
 
 launch_main() {
@@ -237,6 +291,11 @@ launch_main() {
   #                  HSA_NO_SCRATCH_RECLAIM=1  RCCL_MSCCL_ENABLE=0 (to rule MSCCL out)  NCCL_DEBUG=WARN|INFO
   mkdir -p logs "$dump"
 
+  local quiet_dir=""
+  if [[ -z ${TORCHRUN:-} ]] && quiet_torchrun "$REPO/.cache/launch/job-$job_id"; then
+    quiet_dir=$REPO/.cache/launch/job-$job_id
+  fi
+
   PREEMPT_SIGNALED=0
   SRUN_PID=""
   trap '_on_usr1' USR1
@@ -252,6 +311,7 @@ launch_main() {
     break
   done
   log "srun exited with status $rc"
+  [[ -n $quiet_dir ]] && rm -rf "$quiet_dir"
   if ((rc == 0)); then
     log "training finished"
     return 0
