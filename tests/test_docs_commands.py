@@ -279,6 +279,8 @@ RUN_ELSEWHERE = {
     'bash tools/run_tests.sh -m "not slow"': "the CI job's suite (a subset of it)",
     "bash tools/setup_env.sh": "the CI job itself (.ci/run starts with it)",
     "bash tools/reproduce_mini.sh": "its --quick form, tests/test_compare.py (the full form takes 12.5 min)",
+    "TITAN_RECUR_REQUIRE_SLURM=1 .venv/bin/python -m pytest -q tests/test_slurm_real.py": "the CI job's suite "
+    "(.ci/run sets the switch; tests/test_slurm_real.py is in the slow tier)",
 }
 # Commands run here, as written, after replacing each placeholder (doc text -> this test's path).
 # "{run}" is a tiny finished training run of the debug config, "{tmp}" a fresh folder.
