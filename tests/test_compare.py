@@ -342,3 +342,25 @@ def test_bench_task_decodes_the_harness_answers(mini: Path, report: dict, capsys
         assert per_length == pytest.approx([scores[r]["tasks"][t][METRIC] for t in TASKS], abs=1e-9)
     assert float(rows["full r=4"][7]) == 4.0 and float(rows["exit kl < 0.001 (max 4)"][7]) <= 4.0
     assert int(rows["latest r=4"][8].replace(",", "")) == int(rows["full r=1"][8].replace(",", ""))
+
+
+def test_bench_speculative_decodes_the_plain_tokens_faster_per_iteration(mini: Path, capsys) -> None:
+    """tools/bench_generate.py speculative on the miniature: every setting's tokens equal plain decoding's, the
+    answers (exact match) too, and drafting spends fewer core iterations per token than r."""
+    bench = load_tool("bench_generate")
+    model = mini / "runs" / "recurrent_s0" / "final_model"
+    argv = ["speculative", "--checkpoint", str(model), "--task-dir", str(mini / "task"), "--limit", "2"]
+    argv += ["--new-tokens", "12", "--recurrences", "4", "--draft-steps", "1,2", "--lookaheads", "3"]
+    bench.main([*argv, "--batch-sizes", "1,2", "--rounds", "1"])
+    rows = [
+        [cell.strip() for cell in line.split("|")[1:-1]]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| ") and not line.startswith("| batch")
+    ]
+    assert [(row[0], row[2]) for row in rows] == [
+        (bsz, name) for bsz in ("1", "2") for name in ("plain", "draft 1, lookahead 3", "draft 2, lookahead 3")
+    ]
+    for row in rows:
+        assert row[5] == "yes" and row[8] == rows[0][8], row  # the plain tokens, so the plain answers
+        if row[2] != "plain":
+            assert 0 <= float(row[6]) <= 1 and float(row[7]) < 4, row

@@ -36,11 +36,25 @@ each of its thresholds (max_steps --num-steps).
 
     OMP_NUM_THREADS=1 python tools/bench_generate.py task --checkpoint outputs/mini/runs/recurrent_s0/final_model \\
         --task-dir outputs/mini/task --lengths 7-12
+
+speculative: depth-speculative decoding (GenerationOptions.draft_steps / lookahead) against plain greedy
+decoding at each --recurrences, on a model that uses depth and its task (as for ``task``). From each
+question (BOS + prompt) --new-tokens are generated freely, EOS ignored: the first is the answer (exact
+match), the rest the model's own continuation (further questions and answers). Per batch size and r,
+every setting (plain, and each draft depth x lookahead) is warmed up, then timed in --rounds
+alternated rounds over the same questions; tokens/s is the median over rounds, "vs plain" the median
+of the per-round ratios to plain (a shared machine's drift cancels out). Also: whether every token
+equals plain decoding's, the acceptance rate, the core iterations spent per token (drafts and
+verifications) and the KV cache.
+
+    OMP_NUM_THREADS=1 python tools/bench_generate.py speculative \\
+        --checkpoint outputs/mini/runs/recurrent_s0/final_model --task-dir outputs/mini/task
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -160,6 +174,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="criterion:thresholds;... (default Huginn's ranges around its defaults)",
     )
     task.add_argument("--limit", type=int, help="questions per length (default all)")
+
+    spec = commands.add_parser("speculative", help="tokens/s and accuracy of speculative vs plain decoding")
+    spec.add_argument("--checkpoint", required=True, help="recurrent model folder")
+    spec.add_argument("--task-dir", type=Path, required=True, help="tools/make_depth_task.py output (eval_<n>.jsonl)")
+    spec.add_argument("--lengths", default="7-12", help="evaluation lengths A-B (default 7-12)")
+    spec.add_argument("--limit", type=int, default=4, help="questions per length (default 4)")
+    spec.add_argument("--new-tokens", type=int, default=48, help="tokens generated per question (default 48)")
+    spec.add_argument("--recurrences", default="16,32", help="target depths r (default 16,32)")
+    spec.add_argument("--draft-steps", default="1,2,4", help="draft depths (default 1,2,4)")
+    spec.add_argument("--lookaheads", default="2,4,8", help="drafted tokens per round (default 2,4,8)")
+    spec.add_argument("--batch-sizes", default="1,4", help="questions decoded together (default 1,4)")
+    spec.add_argument("--rounds", type=int, default=3, help="timed rounds, settings alternated (default 3)")
     return parser.parse_args(argv)
 
 
@@ -418,9 +444,104 @@ def run_task(args: argparse.Namespace) -> None:
         )
 
 
+# --- speculative --------------------------------------------------------------------------------
+
+
+def task_questions(args: argparse.Namespace, tokenizer) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per evaluation length: (BOS + prompt ids (N, T), answer token ids (N,)); a length's prompts share T."""
+    import json
+
+    low, _, high = args.lengths.partition("-")
+    questions = {}
+    for n in range(int(low), int(high or low) + 1):
+        rows = [json.loads(line) for line in (args.task_dir / f"eval_{n}.jsonl").open()][: args.limit]
+        ids = torch.tensor([tokenizer.encode(row["prompt"], bos=True, eos=False) for row in rows])
+        answers = torch.tensor([tokenizer.encode(row["completion"], bos=False, eos=False)[0] for row in rows])
+        questions[n] = (ids, answers)
+    return questions
+
+
+def speculative_settings(args: argparse.Namespace, r: int) -> dict[str, dict]:
+    """plain, then each draft depth below r x lookahead, by name."""
+    settings: dict[str, dict] = {"plain": {}}
+    for draft in (int(v) for v in args.draft_steps.split(",")):
+        if draft < r:
+            for lookahead in (int(v) for v in args.lookaheads.split(",")):
+                settings[f"draft {draft}, lookahead {lookahead}"] = dict(draft_steps=draft, lookahead=lookahead)
+    return settings
+
+
+def decode_questions(model: RecurrentLM, batches: list[tuple[torch.Tensor, torch.Tensor]], options: GenerationOptions):
+    """Every batch decoded with ``options``: (wall s, tokens, correct answers, drafted, accepted, iterations, cache)."""
+    start = time.perf_counter()
+    outs = [generate(model, ids, options) for ids, _ in batches]
+    wall = time.perf_counter() - start
+    spec = [out.speculation for out in outs if out.speculation is not None]
+    return SimpleNamespace(
+        wall=wall,
+        tokens=[out.tokens for out in outs],
+        correct=sum(int((out.tokens[:, 0] == answers).sum()) for out, (_, answers) in zip(outs, batches, strict=True)),
+        drafted=sum(int(s.drafted.sum()) for s in spec),
+        accepted=sum(int(s.accepted.sum()) for s in spec),
+        iterations=sum(int(s.core_iterations.sum()) for s in spec) if spec else None,
+        cache=max(out.kv_cache_bytes for out in outs),
+    )
+
+
+def run_speculative(args: argparse.Namespace) -> None:
+    from titan_recur.data.tokenizer import load_tokenizer
+    from titan_recur.eval.loading import load_checkpoint
+
+    model, tokenizer = load_checkpoint(args.checkpoint), load_tokenizer(args.checkpoint)
+    questions = task_questions(args, tokenizer)
+    total = sum(len(answers) for _, answers in questions.values())
+    print(
+        f"# {args.checkpoint}: {total} questions of lengths {args.lengths}, {args.new_tokens} new tokens each "
+        f"(EOS ignored), threads={torch.get_num_threads()}, median of {args.rounds} alternated rounds"
+    )
+    print(
+        "| batch | r | setting | tokens/s | vs plain | same tokens as plain | acceptance | iterations / token "
+        "| exact match | KV cache MiB |"
+    )
+    print("|---:|---:|---|---:|---:|---|---:|---:|---:|---:|")
+    for bsz in (int(v) for v in args.batch_sizes.split(",")):
+        batches = [
+            (ids[i : i + bsz], answers[i : i + bsz])
+            for ids, answers in questions.values()
+            for i in range(0, len(answers), bsz)
+        ]
+        tokens = sum(len(answers) for _, answers in batches) * args.new_tokens
+        for r in (int(v) for v in args.recurrences.split(",")):
+            options = {
+                name: GenerationOptions(max_new_tokens=args.new_tokens, num_steps=r, **knobs)
+                for name, knobs in speculative_settings(args, r).items()
+            }
+            for option in options.values():  # warm-up: the first call of each shape
+                generate(model, batches[0][0], dataclasses.replace(option, max_new_tokens=4))
+            rounds = [{name: decode_questions(model, batches, option) for name, option in options.items()}]
+            for _ in range(args.rounds - 1):
+                rounds.append({name: decode_questions(model, batches, option) for name, option in options.items()})
+            plain = rounds[0]["plain"]
+            for name in options:
+                runs = [timing[name] for timing in rounds]
+                ratio = statistics.median(timing["plain"].wall / timing[name].wall for timing in rounds)
+                first = runs[0]
+                same = all(torch.equal(a, b) for a, b in zip(first.tokens, plain.tokens, strict=True))
+                acceptance = f"{first.accepted / first.drafted:.2f}" if first.drafted else "-"
+                iterations = first.iterations / tokens if first.iterations is not None else r
+                print(
+                    f"| {bsz} | {r} | {name} | {tokens / statistics.median(run.wall for run in runs):.1f} | "
+                    f"{ratio:.2f} | {'yes' if same else 'NO'} | {acceptance} | {iterations:.2f} | "
+                    f"{first.correct / total:.3f} | {first.cache / 2**20:.2f} |",
+                    flush=True,
+                )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    {"speed": run_speed, "memory": run_memory, "quality": run_quality, "task": run_task}[args.command](args)
+    commands = {"speed": run_speed, "memory": run_memory, "quality": run_quality, "task": run_task}
+    commands["speculative"] = run_speculative
+    commands[args.command](args)
     return 0
 
 
