@@ -680,4 +680,5 @@ def test_bench_checkpoint_prints_its_figures(tmp_path, capsys):
     load_tool("bench_checkpoint").main(["--megabytes", "8", "--repeats", "1", "--folder", str(tmp_path / "bench")])
     out = capsys.readouterr().out
     assert "xxh3_128" in out and "with checksums + manifest" in out and "verification before it" in out, out
+    assert "with the manifest check" in out and "verify_checksums=False" in out, out
     assert not (tmp_path / "bench").exists()
