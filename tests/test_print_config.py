@@ -20,13 +20,14 @@ def train(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 
 
 def test_print_config_shows_a_paper_config_whose_model_is_not_converted_yet(tmp_path):
-    # The paper config's model folder does not exist here: the trainer would refuse it, --print-config must not.
-    config = "train_configs/llama3_2_1b_mixture.toml"
-    assert not (REPO / load_config(config).model.path).exists()
-    result = train("--config", str(REPO / config), "--print-config", "--training.steps", "7", cwd=tmp_path)
+    # A model folder that does not exist (not converted yet): the trainer would refuse it, --print-config must not.
+    config, missing = REPO / "train_configs/llama3_2_1b_mixture.toml", str(tmp_path / "not_converted")
+    result = train(
+        "--config", str(config), "--print-config", "--model.path", missing, "--training.steps", "7", cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     printed = json.loads(result.stdout)
-    assert printed["training"]["steps"] == 7
+    assert printed["training"]["steps"] == 7 and printed["model"]["path"] == missing
     assert [s["name"] for s in printed["data"]["sources"]] == ["fineweb-edu", "sft-general", "sft-math"]
     assert list(tmp_path.iterdir()) == []  # nothing written: no dump folder, no config.json
 

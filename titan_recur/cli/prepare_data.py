@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import re
 import sys
 import time
 from collections.abc import Iterator
-from multiprocessing import Pool
 from pathlib import Path
 from typing import NoReturn
 
@@ -210,7 +210,10 @@ def prepare(args: argparse.Namespace) -> None:
     progress = _Progress()
     start = time.perf_counter()
     try:
-        with Pool(args.workers, initializer=_init_worker, initargs=(args.tokenizer,)) as pool:
+        # forkserver, not fork: a fork of a process with threads (torch's, the tokenizer's; a caller's) can
+        # inherit a lock another thread held and hang; measured under load when called in-process.
+        context = multiprocessing.get_context("forkserver")
+        with context.Pool(args.workers, initializer=_init_worker, initargs=(args.tokenizer,)) as pool:
             for ids, docs in pool.imap(_encode_chunk, _chunks(source, args.docs_per_task, args.max_docs)):
                 progress.update(ids.shape[1])
                 pending.append(ids)
