@@ -518,9 +518,10 @@ def run_speculative(args: argparse.Namespace) -> None:
             }
             for option in options.values():  # warm-up: the first call of each shape
                 generate(model, batches[0][0], dataclasses.replace(option, max_new_tokens=4))
-            rounds = [{name: decode_questions(model, batches, option) for name, option in options.items()}]
-            for _ in range(args.rounds - 1):
-                rounds.append({name: decode_questions(model, batches, option) for name, option in options.items()})
+            rounds = [
+                {name: decode_questions(model, batches, option) for name, option in options.items()}
+                for _ in range(args.rounds)
+            ]
             plain = rounds[0]["plain"]
             for name in options:
                 runs = [timing[name] for timing in rounds]
