@@ -553,7 +553,7 @@ def single(normal_init_model, tmp_path_factory) -> dict:
         },
     }
     results = run_single_jobs(list(jobs.values()), root)
-    return {"results": dict(zip(jobs, results, strict=False)), "dirs": d, "root": root, "model": normal_init_model}
+    return {"results": dict(zip(jobs, results, strict=True)), "dirs": d, "root": root, "model": normal_init_model}
 
 
 def test_nonfinite_loss_stops_and_the_last_good_checkpoint_is_intact(single):

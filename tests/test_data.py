@@ -215,7 +215,7 @@ def test_validation_holds_out_disjoint_documents(tmp_path, tok):
     assert 0.1 < len(val) / n < 0.3
     first = [b["input_ids"] for b in take(loader(cfg, tok, split="validation"), 3)]
     again = [b["input_ids"] for b in take(loader(cfg, tok, split="validation"), 3)]
-    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=False))  # a fresh loader gives the same batches
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))  # a fresh loader gives the same batches
     message = one_line_error(ValueError, loader, Data(sources=cfg.sources), tok, split="validation")
     assert "validation_fraction" in message
 

@@ -186,7 +186,7 @@ def test_lm_eval_batch_size_8_equals_batch_size_1(model_dir: Path, task_manager)
         flat1 = [r for doc in one[task] for req in doc for r in req]
         flat8 = [r for doc in eight[task] for req in doc for r in req]
         assert len(flat1) == len(flat8) >= 10
-        for a, b in zip(flat1, flat8, strict=False):
+        for a, b in zip(flat1, flat8, strict=True):
             a, b = (a, b) if isinstance(a, tuple) else ((a, None), (b, None))
             assert a[0] == pytest.approx(b[0], rel=1e-5, abs=1e-4) and a[1] == b[1], task
     generations = [doc[0][0] for doc in one["titan_recur_tiny_gen"]]

@@ -248,7 +248,7 @@ def test_generate_as_lm_eval_hf_backend_calls_it(recurrent_dir: Path, exported: 
         num_steps=4,
         eos_id=tokenizer.eos_token_id,
     )
-    for row, reference in zip(generated.tolist(), expected.tolist(), strict=False):
+    for row, reference in zip(generated.tolist(), expected.tolist(), strict=True):
         n = len(row) - row[::-1].index(next(t for t in row[::-1] if t != tokenizer.pad_token_id))
         assert row[:n] == reference[:n] and n > 0
 
@@ -284,7 +284,7 @@ def test_lm_eval_hf_backend_equals_the_project_harness(recurrent_dir: Path, expo
             flat_hf = [r if isinstance(r, tuple) else (r, None) for doc in hf[task] for req in doc for r in req]
             flat_ours = [r if isinstance(r, tuple) else (r, None) for doc in ours[task] for req in doc for r in req]
             assert len(flat_hf) == len(flat_ours) >= 10
-            for a, b in zip(flat_hf, flat_ours, strict=False):
+            for a, b in zip(flat_hf, flat_ours, strict=True):
                 assert a[0] == pytest.approx(b[0], rel=1e-5) and a[1] == b[1], (task, batch_size)
     assert samples["hf", 4]["titan_recur_tiny_gen"] == samples["titan_recur", 4]["titan_recur_tiny_gen"]
 

@@ -595,7 +595,7 @@ def test_cli_json_fields_and_batched_equals_single(model_dir: Path, tmp_path: Pa
 
     tokenizer = load_tokenizer(model_dir)
     steps = []
-    for prompt, result in zip(CLI_PROMPTS, report["prompts"], strict=False):
+    for prompt, result in zip(CLI_PROMPTS, report["prompts"], strict=True):
         assert set(result) == {"prompt", "text", "tokens", "steps_per_token", "mean_steps"}
         assert result["prompt"] == prompt and len(result["steps_per_token"]) == len(result["tokens"]) > 0
         assert result["mean_steps"] == pytest.approx(sum(result["steps_per_token"]) / len(result["tokens"]))

@@ -39,7 +39,7 @@ def test_chunked_loss_equals_plain_in_value_and_gradient(chunk):
     chunked = chunked_cross_entropy_sum(hidden, weight, labels, chunk)
     chunked_grads = torch.autograd.grad(chunked, (hidden, weight))
     torch.testing.assert_close(chunked, plain, atol=1e-5, rtol=1e-6)
-    for got, want in zip(chunked_grads, plain_grads, strict=False):
+    for got, want in zip(chunked_grads, plain_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -258,7 +258,7 @@ def test_train_mode_int_steps_train_every_part_with_truncated_backprop():
         grads = [p.grad.clone() for p in model.parameters()]
         model.zero_grad()
         cross_entropy_loss(model(x, expected, state_init="zero")[:, :-1], x[:, 1:]).backward()
-        for grad, p in zip(grads, model.parameters(), strict=False):
+        for grad, p in zip(grads, model.parameters(), strict=True):
             torch.testing.assert_close(grad, p.grad, atol=0, rtol=0)
         with torch.no_grad():
             torch.testing.assert_close(logits, model(x, r, state_init="zero"), atol=0, rtol=0)

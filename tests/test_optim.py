@@ -89,12 +89,12 @@ def test_muon_bit_exact_with_torch_muon(nesterov: bool) -> None:
     opt_ours = Muon(ours, **kwargs)
     opt_theirs = torch.optim.Muon(theirs, adjust_lr_fn="original", **kwargs)
     for _ in range(5):
-        for a, b in zip(ours, theirs, strict=False):
+        for a, b in zip(ours, theirs, strict=True):
             a.grad = torch.randn(a.shape)
             b.grad = a.grad.clone()
         opt_ours.step()
         opt_theirs.step()
-    for a, b in zip(ours, theirs, strict=False):
+    for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
         assert torch.equal(opt_ours.state[a]["momentum_buffer"], opt_theirs.state[b]["momentum_buffer"])
 
@@ -124,7 +124,7 @@ def test_fused_group_equals_concatenated_matrix() -> None:
     ref = torch.optim.Muon([fused, other_ref], lr=0.05, weight_decay=1e-4, adjust_lr_fn="original")
     for _ in range(4):
         grads = [torch.randn(p.shape) for p in (q, k, v, other)]
-        for p, g in zip((q, k, v, other), grads, strict=False):
+        for p, g in zip((q, k, v, other), grads, strict=True):
             p.grad = g
         fused.grad, other_ref.grad = torch.cat(grads[:3]), grads[3].clone()
         opt.step()
@@ -267,13 +267,13 @@ def test_state_round_trip_through_dcp_state_dict(fuse: bool) -> None:
 
     restored = copy.deepcopy(model)
     fresh = build_optimizers(restored, optimizer_cfg(fuse_qkv=fuse), scheduler_cfg(), total_steps=10)
-    for opt, state in zip(fresh.optimizers, saved_optim, strict=False):
+    for opt, state in zip(fresh.optimizers, saved_optim, strict=True):
         set_optimizer_state_dict(restored, opt, state)
     fresh.load_state_dict(saved_sched)
     assert fresh.current_lrs() == container.current_lrs()
     train_step(model, container, seed=2)
     train_step(restored, fresh, seed=2)
-    for (name, a), b in zip(model.named_parameters(), restored.parameters(), strict=False):
+    for (name, a), b in zip(model.named_parameters(), restored.parameters(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -284,14 +284,14 @@ def test_clipping_matches_torch() -> None:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3)]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    for p, r in zip(params, ref, strict=False):
+    for p, r in zip(params, ref, strict=True):
         p.grad = torch.randn(p.shape)
         r.grad = p.grad.clone()
     norm = grad_square_sum(params).sqrt()
     scale_grads_(params, clip_coefficient(norm.item(), 1.0))
     torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref, 1.0), atol=0, rtol=1e-6)
     assert norm > 1.0
-    for p, r in zip(params, ref, strict=False):
+    for p, r in zip(params, ref, strict=True):
         torch.testing.assert_close(p.grad, r.grad, atol=0, rtol=1e-6)
     assert clip_coefficient(0.5, 1.0) == 1.0
 

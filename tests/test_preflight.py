@@ -138,7 +138,7 @@ def test_check_problems_are_one_line_each(tmp_path, capsys, argv, expected):
     dump = tmp_path / "run"
     code, out, err = run_check(["--config", DEBUG_CONFIG, "--job.dump_folder", str(dump), *argv], capsys)
     assert code == 2 and not out
-    assert len(err) == len(expected) and all(e in line for e, line in zip(expected, err, strict=False)), err
+    assert len(err) == len(expected) and all(e in line for e, line in zip(expected, err, strict=True)), err
     assert not dump.exists()
 
 

@@ -1,5 +1,6 @@
 """Recurrence sampler and curricula: exact schedule values, determinism, moments, input checks."""
 
+import itertools
 import math
 
 import pytest
@@ -73,7 +74,7 @@ def test_one_minus_sqrt_curriculum_exact_values():
 def test_one_minus_sqrt_curriculum_is_monotone_and_ends_at_max():
     c = Curriculum("1-sqrt", max_value=32, total_steps=50_000, warmup_fraction=0.75)
     values = [c.value(step) for step in range(0, 37_600, 7)]
-    assert all(a <= b for a, b in zip(values, values[1:], strict=False))
+    assert all(a <= b for a, b in itertools.pairwise(values))
     assert values[0] == 1 and values[-1] == 32
 
 

@@ -135,7 +135,7 @@ def test_rotation_matches_transformers(scaling):
     torch.testing.assert_close(sin, hf_sin, atol=1e-5, rtol=0)
     ours = apply_rope(q, k, cos, sin)
     theirs = apply_rotary_pos_emb(q, k, hf_cos, hf_sin)
-    for a, b in zip(ours, theirs, strict=False):
+    for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     # a rotation: norms of each pair are kept
     torch.testing.assert_close(ours[0].norm(dim=-1), q.norm(dim=-1), atol=1e-5, rtol=1e-5)

@@ -253,7 +253,7 @@ def runs(model, tmp_path_factory) -> dict:
             name: sorted(p.name for p in (disk / name / "checkpoints").iterdir()) for name in ("sync", "async")
         }
         yield {
-            "results": dict(zip(jobs, results, strict=False)),
+            "results": dict(zip(jobs, results, strict=True)),
             "dirs": d,
             "root": root,
             "disk_checks": checks,

@@ -6,6 +6,7 @@ path runs against small stand-ins for srun and scontrol that record how they wer
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shlex
@@ -150,7 +151,7 @@ def test_dry_run_two_nodes(tmp_path, fake_python):
     for m in nodes:
         argv = shlex.split(m[3])
         assert argv[0] == "torchrun"
-        opts = dict(zip(argv[1:], argv[2:], strict=False))
+        opts = dict(itertools.pairwise(argv[1:]))
         assert opts["--nnodes"] == "2"
         assert opts["--nproc-per-node"] == "8"
         assert opts["--rdzv-backend"] == "c10d"

@@ -87,7 +87,7 @@ def assert_runs_agree(single: dict, multi: dict, optimizer: str) -> None:
     grad_steps = GRAD_STEPS[optimizer]
     torch.testing.assert_close(torch.tensor(multi["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
     assert len(single["grads"]) == len(multi["grads"]) == STEPS
-    for step, (g1, g2) in enumerate(zip(single["grads"][:grad_steps], multi["grads"][:grad_steps], strict=False)):
+    for step, (g1, g2) in enumerate(zip(single["grads"][:grad_steps], multi["grads"][:grad_steps], strict=True)):
         assert g1.keys() == g2.keys()
         for name in g1:
             torch.testing.assert_close(g2[name], g1[name], atol=1e-6, rtol=0, msg=f"grad {name} at step {step + 1}")

@@ -481,7 +481,7 @@ def _from_value(value: Any, tp: Any, source: str, path: tuple[str | int, ...]) -
     if origin is list and isinstance(value, (list, tuple)):
         return [_from_value(v, args[0], source, path + (i,)) for i, v in enumerate(value)]
     if origin is tuple and isinstance(value, (list, tuple)) and len(value) == len(args):
-        return tuple(_from_value(v, t, source, path + (i,)) for i, (v, t) in enumerate(zip(value, args, strict=False)))
+        return tuple(_from_value(v, t, source, path + (i,)) for i, (v, t) in enumerate(zip(value, args, strict=True)))
     if origin is Literal and any(type(value) is type(a) and value == a for a in args):
         return value
     if inner is float and type(value) in (int, float):
@@ -544,7 +544,7 @@ def _from_text(text: str, tp: Any) -> Any:
         parts = text.split(",")
         if len(parts) != len(args):
             raise ValueError(text)
-        return tuple(_from_text(p.strip(), t) for p, t in zip(parts, args, strict=False))
+        return tuple(_from_text(p.strip(), t) for p, t in zip(parts, args, strict=True))
     if origin is Literal:
         for a in args:
             if str(a) == text:
@@ -595,7 +595,9 @@ def _assign(cfg: JobConfig, name: str, value: Any) -> None:
     """
     parts = name.split(".")
     obj = getattr(cfg, parts[0])
-    for depth, (key, index) in enumerate(zip(parts[1::2], map(int, parts[2::2]), strict=False)):
+    for depth, (key, index) in enumerate(
+        zip(parts[1::2], map(int, parts[2::2]), strict=False)
+    ):  # the last key has no index
         entries = getattr(obj, key)
         array = ".".join(parts[: 2 * depth + 2])
         if value is _DROP and 2 * depth + 3 == len(parts):

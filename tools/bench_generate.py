@@ -287,8 +287,7 @@ def run_speed(args: argparse.Namespace) -> None:
                 if "cat" in timings:
                     base = timings["cat"]
                     ratios = [
-                        f"{statistics.median(b[i] / t[i] for b, t in zip(base, rows, strict=False)):.2f}"
-                        for i in (0, 1)
+                        f"{statistics.median(b[i] / t[i] for b, t in zip(base, rows, strict=True)):.2f}" for i in (0, 1)
                     ]
                 print(
                     f"| {bsz} | {r} | {name} | {tokens / statistics.median(wall):.1f} | "

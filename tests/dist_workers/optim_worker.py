@@ -194,14 +194,14 @@ def edge_shapes_scenario(mesh: DeviceMesh, placements: list) -> dict:
     opt_sharded = Muon(sharded, lr=0.05, fuse_groups=[sharded[2:4]])
     comms = Counter()
     for _ in range(4):
-        for p, s in zip(plain, sharded, strict=False):
+        for p, s in zip(plain, sharded, strict=True):
             p.grad = torch.randn(p.shape)
             s.grad = distribute_tensor(p.grad.clone(), mesh, placements)
         opt_plain.step()
         with CommDebugMode() as mode:
             opt_sharded.step()
         comms.update(comm_counts(mode))
-    diff = max((s.full_tensor() - p).abs().max().item() for p, s in zip(plain, sharded, strict=False))
+    diff = max((s.full_tensor() - p).abs().max().item() for p, s in zip(plain, sharded, strict=True))
     return dict(diff=diff, comms=dict(comms), local_rows=[s.to_local().shape[0] for s in sharded])
 
 

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             check_run_folder(Path(folder))
         runs = [
             read_run(folder, world_size=ns.world_size, label=label, checkpoints=ns.checkpoints)
-            for folder, label in zip(ns.runs, labels, strict=False)
+            for folder, label in zip(ns.runs, labels, strict=True)
         ]
         settings = EvalSettings(
             recurrences=ns.recurrences,

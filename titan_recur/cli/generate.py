@@ -252,12 +252,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cache_bytes = max(cache_bytes, out.kv_cache_bytes)
         if out.speculation is not None:
             speculation.append(out.speculation)
-        for tokens, steps, n in zip(out.tokens.tolist(), out.steps.tolist(), out.lengths.tolist(), strict=False):
+        for tokens, steps, n in zip(out.tokens.tolist(), out.steps.tolist(), out.lengths.tolist(), strict=True):
             text = tokenizer.decode([t for t in tokens[:n] if t != tokenizer.eos_id])
             results.append(
                 {"text": text, "tokens": tokens[:n], "steps_per_token": steps[:n], "mean_steps": sum(steps[:n]) / n}
             )
-    for text, result in zip(texts, results, strict=False):
+    for text, result in zip(texts, results, strict=True):
         result["prompt"] = text
     n_tokens = sum(len(r["tokens"]) for r in results)
     report = {

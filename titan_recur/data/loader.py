@@ -570,7 +570,7 @@ class PackedDataset(IterableDataset):
         u = np.random.default_rng([self.seed, self.dp_rank, _SPLITS.index(self.split), row]).random()
         keys, cum = phase.keys, phase.cum_weights
         if exhausted:
-            left = [(k, w) for k, w in zip(keys, np.diff([0.0, *cum]), strict=False) if k not in exhausted]
+            left = [(k, w) for k, w in zip(keys, np.diff([0.0, *cum]), strict=True) if k not in exhausted]
             if not left:
                 return None
             keys = [k for k, _ in left]

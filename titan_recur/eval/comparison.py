@@ -416,11 +416,11 @@ def plot_vs_flops(report: dict[str, Any], q: Quantity, path: Path) -> None:
     colors = plt.get_cmap("viridis")([i / max(len(rs) - 1, 1) for i in range(len(rs))])
     markers = "os^Dv<>"
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=120, sharey=True)
-    for ax, convention in zip(axes, CONVENTIONS, strict=False):
+    for ax, convention in zip(axes, CONVENTIONS, strict=True):
         recurrent = [run for run in report["runs"] if run["recurrent"]]
         for j, run in enumerate(recurrent):
             flops = [p["flops"][convention] for p in run["points"]]
-            for color, r in zip(colors, rs, strict=False):
+            for color, r in zip(colors, rs, strict=True):
                 label = f"r={r}" if j == 0 else None
                 ax.plot(
                     flops,

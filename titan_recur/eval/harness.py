@@ -148,7 +148,7 @@ def plot_compute_curve(rows: list[dict[str, Any]], settings: Sequence[str], out:
         if row["metric"] == ITERATIONS or row["task"] not in iterations:
             continue
         points = sorted((iterations[row["task"]][s], row[s]) for s in map(str, settings) if s in row)
-        ax.plot(*zip(*points, strict=False), marker="o", label=f"{row['task']} {row['metric']}")
+        ax.plot(*zip(*points, strict=True), marker="o", label=f"{row['task']} {row['metric']}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("mean core iterations per generated token")
     ax.set_ylabel("score")

@@ -174,7 +174,7 @@ class TitanRecurLM(TemplateLM):
             inputs = [row[:-1] for row in rows]
             input_ids = _pad(inputs, self.tokenizer.pad_id or 0, left=False).to(self._device)
             logprobs = F.log_softmax(self._forward(input_ids).float(), dim=-1)
-            for i, (request, row) in enumerate(zip(batch, rows, strict=False)):
+            for i, (request, row) in enumerate(zip(batch, rows, strict=True)):
                 n_cont = len(request[2])
                 target = torch.tensor(row[-n_cont:], device=self._device)
                 scores = logprobs[i, len(row) - 1 - n_cont : len(row) - 1]
@@ -197,9 +197,9 @@ class TitanRecurLM(TemplateLM):
                 windows.append((None, context, continuation))
                 owners.append(i)
         totals = [0.0] * len(requests)
-        for i, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows), strict=False):
+        for i, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows), strict=True):
             totals[i] += logprob
-        for request, total in zip(requests, totals, strict=False):
+        for request, total in zip(requests, totals, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
         return totals
 
@@ -225,7 +225,7 @@ class TitanRecurLM(TemplateLM):
                 stop=self._stop_check(until),
             )
             spent = iterations_spent(out)
-            rows = zip(batch, out.tokens.tolist(), spent, out.lengths.tolist(), strict=False)
+            rows = zip(batch, out.tokens.tolist(), spent, out.lengths.tolist(), strict=True)
             for (context, gen_kwargs, task), tokens, iterations, length in rows:
                 stats = self.depth_stats.setdefault(task, [0, 0])
                 stats[0], stats[1] = stats[0] + length, stats[1] + iterations

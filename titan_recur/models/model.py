@@ -411,10 +411,22 @@ class RecurrentLM(nn.Module):
         core = list(self.core.blocks) if self.core is not None else []
         return [*self.prelude, *core, *self.coda]
 
+    def block_stacks(self) -> list[nn.ModuleList]:
+        """The prelude and the coda: the stacks of blocks that run once per forward.
+
+        Each of their blocks is a unit of its own for checkpointing, compile and sharding; the core,
+        which runs r times, is one unit (see ``core.iteration``).
+        """
+        return [self.prelude, self.coda]
+
+    def once_blocks(self) -> list[nn.Module]:
+        """The blocks of ``block_stacks``, in forward order."""
+        return [block for stack in self.block_stacks() for block in stack]
+
     def init_weights(self, std: float = 0.02) -> None:
         """Random init for from-scratch runs and tests (conversions load weights instead)."""
         nn.init.normal_(self.embed_tokens.weight, std=std)
-        for block in [*self.prelude, *self.coda]:
+        for block in self.once_blocks():
             block.init_weights(std)
         if self.core is not None:
             self.core.init_weights(std)

@@ -100,7 +100,7 @@ def _differences(name: str, old: Any, new: Any) -> list[str]:
             return [f"{name} ({len(old)} entries -> {len(new)})"]
         return [
             d
-            for i, (a, b) in enumerate(zip(old, new, strict=False))
+            for i, (a, b) in enumerate(zip(old, new, strict=True))
             if a != b
             for d in _differences(f"{name}[{i}]", a, b)
         ]

@@ -68,7 +68,7 @@ class _Unit:
         lr, weight_decay = self.group["lr"], self.group["weight_decay"]
         rows, cols = self.shape
         adjusted_lr = lr * math.sqrt(max(1, rows / cols))
-        for p, o in zip(self.params, orthogonalised, strict=False):
+        for p, o in zip(self.params, orthogonalised, strict=True):
             local = local_tensor(p)
             local.mul_(1 - lr * weight_decay)
             local.add_(o, alpha=-adjusted_lr)
@@ -115,7 +115,7 @@ class Muon(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         names = group.get("param_names", [None] * len(group["params"]))
-        for name, p in zip(names, group["params"], strict=False):
+        for name, p in zip(names, group["params"], strict=True):
             if p.ndim != 2:
                 self.param_groups.pop()
                 label = f"parameter {name!r}" if name else "a parameter"
@@ -238,8 +238,8 @@ def _orthogonalise_on_owners(units: list[_Unit], mesh: DeviceMesh, mesh_dim: int
     owners = assign_owners([u.shape[0] * u.shape[1] * min(u.shape) for u in units], world)
     rows = [[shard_rows(p.shape[0], world) for p in u.params] for u in units]
     cols = [u.shape[1] for u in units]
-    for u, unit_rows in zip(units, rows, strict=False):
-        for p, update, member_rows in zip(u.params, u.updates, unit_rows, strict=False):
+    for u, unit_rows in zip(units, rows, strict=True):
+        for p, update, member_rows in zip(u.params, u.updates, unit_rows, strict=True):
             if update.shape[0] != member_rows[rank]:
                 raise RuntimeError(f"unexpected Shard(0) rows on rank {rank}: {tuple(update.shape)} of {p.shape}")
     mine = [i for i in range(len(units)) if owners[i] == rank]
@@ -261,7 +261,7 @@ def _orthogonalise_on_owners(units: list[_Unit], mesh: DeviceMesh, mesh_dim: int
             [torch.cat([next(incoming[peer]).view(-1, cols[i]) for peer in range(world)]) for _ in unit.params]
         )
         ortho = zeropower_via_newtonschulz(full, cfg["ns_coefficients"], cfg["ns_steps"], cfg["eps"])
-        for member, member_rows in zip(ortho.split([p.shape[0] for p in unit.params]), rows[i], strict=False):
+        for member, member_rows in zip(ortho.split([p.shape[0] for p in unit.params]), rows[i], strict=True):
             for peer, shard in enumerate(member.split(member_rows)):
                 replies[peer].append(shard.flatten())
 
@@ -288,7 +288,7 @@ def _exchange(
     dist.all_to_all_single(
         recv_buf, send_buf, recv_sizes, [sum(p.numel() for p in pieces) for pieces in send], group=group
     )
-    return [list(part.split(numels)) for part, numels in zip(recv_buf.split(recv_sizes), recv_numels, strict=False)]
+    return [list(part.split(numels)) for part, numels in zip(recv_buf.split(recv_sizes), recv_numels, strict=True)]
 
 
 # ---------------------------------------------------------------- parameter roles
@@ -390,7 +390,7 @@ class OptimizersContainer:
 
     def current_lrs(self) -> dict[str, float]:
         """LR of each optimizer's first param group, for logging."""
-        return {name: float(opt.param_groups[0]["lr"]) for name, opt in zip(self.names, self.optimizers, strict=False)}
+        return {name: float(opt.param_groups[0]["lr"]) for name, opt in zip(self.names, self.optimizers, strict=True)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"lr_schedulers": [scheduler.state_dict() for scheduler in self.lr_schedulers]}

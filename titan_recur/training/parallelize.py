@@ -36,7 +36,7 @@ def apply_activation_checkpointing(model: RecurrentLM, mode: str) -> None:
     Checkpointing recomputes only what ran with grad: the no-grad iterations store nothing anyway.
     """
     plan = checkpoint_plan(mode)
-    stacks = [model.prelude, model.coda] if plan.blocks else []
+    stacks = model.block_stacks() if plan.blocks else []
     if model.core is not None and plan.core == "block":
         stacks.append(model.core.blocks)
     for blocks in stacks:
@@ -56,7 +56,7 @@ def apply_compile(model: RecurrentLM) -> None:
     The loop stays eager, so (n, k) never enters a graph: one graph per grad mode serves every
     iteration of every step, and nothing between the core's blocks runs outside it.
     """
-    for block in [*model.prelude, *model.coda]:
+    for block in model.once_blocks():
         block.compile(fullgraph=True)
     if model.core is not None:
         model.core.iteration.compile(fullgraph=True)
@@ -69,7 +69,7 @@ def apply_fsdp(model: RecurrentLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPo
     one): both stay in the root group then.
     """
     kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
-    for block in [*model.prelude, *model.coda]:
+    for block in model.once_blocks():
         fully_shard(block, **kwargs)
     if model.core is not None:
         fully_shard(model.core, **kwargs)

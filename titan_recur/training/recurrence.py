@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from titan_recur.models.args import DEFAULT_SEED, DEFAULT_SIGMA
+from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH
 
 if TYPE_CHECKING:
     from titan_recur.config import Recurrence
@@ -176,7 +177,7 @@ class RecurrenceSchedule:
     def __init__(
         self,
         mean: Curriculum,
-        backprop_depth: int | Curriculum = 8,
+        backprop_depth: int | Curriculum = DEFAULT_BACKPROP_DEPTH,
         sampler: RecurrenceSampler | None = None,
     ) -> None:
         if isinstance(backprop_depth, int):

@@ -105,4 +105,4 @@ class Validator:
         if dist.is_initialized():
             totals = totals.to(self.device)
             dist.all_reduce(totals)
-        return mean_losses({r: (float(row[0]), int(row[1])) for r, row in zip(sums, totals.tolist(), strict=False)})
+        return mean_losses({r: (float(row[0]), int(row[1])) for r, row in zip(sums, totals.tolist(), strict=True)})
