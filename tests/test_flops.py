@@ -14,6 +14,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
+from tests.tiny_models import SMALL
+from tests.tiny_models import tiny_args as shared_tiny_args
 from titan_recur.models.args import PRESETS, ModelArgs
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.models.model import RecurrentLM
@@ -54,18 +56,7 @@ def matching_steps(run: TrainingRun, steps: int, other: TrainingRun, convention:
 
 def tiny_args(**overrides) -> ModelArgs:
     """d 64, GQA 4/2 heads: per token a block is ~74k matmul FLOPs, attention 8k, head 33k."""
-    values = dict(
-        vocab_size=256,
-        dim=64,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        ffn_dim=128,
-        n_prelude=1,
-        n_core=2,
-        n_coda=1,
-    )
-    return ModelArgs(**{**values, **overrides})
+    return shared_tiny_args(256, SMALL, **overrides)
 
 
 def tiny_model(args: ModelArgs) -> RecurrentLM:

@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.tiny_models import tiny_args, tiny_model
 from titan_recur.cli.generate import main as generate_main
 from titan_recur.inference.engine import EXIT_CRITERIA, GenerationOptions, generate, left_pad
-from titan_recur.models.args import ModelArgs
 from titan_recur.models.cache import KVCache
 from titan_recur.models.model import Decoding, RecurrentLM
 from titan_recur.storage.model_io import save_model
@@ -33,23 +33,8 @@ ATOL = 1e-5
 
 
 def build(seed: int = 3, std: float = 0.1, **overrides) -> RecurrentLM:
-    values = dict(
-        vocab_size=VOCAB,
-        dim=32,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=8,
-        ffn_dim=48,
-        n_prelude=1,
-        n_core=2,
-        n_coda=1,
-        max_seq_len=64,
-        adapter_init="random",
-    )
-    torch.manual_seed(seed)
-    model = RecurrentLM(ModelArgs(**{**values, **overrides}))
-    model.init_weights(std)
-    return model.eval()
+    args = tiny_args(**{"vocab_size": VOCAB, "max_seq_len": 64, "adapter_init": "random", **overrides})
+    return tiny_model(args, seed, std).eval()
 
 
 def prompts() -> list[list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titan_recur.models import ModelArgs, RecurrentLM
+from tests.tiny_models import tiny_args, tiny_model
 from titan_recur.models.loss import (
     IGNORE_INDEX,
     chunked_cross_entropy_sum,
@@ -103,22 +103,7 @@ def test_chunked_backward_holds_one_weight_gradient_and_a_few_chunks():
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_model_loss_path_equals_logits_path(tie):
-    args = ModelArgs(
-        vocab_size=97,
-        dim=32,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=8,
-        ffn_dim=48,
-        n_prelude=1,
-        n_core=2,
-        n_coda=1,
-        adapter_init="random",
-        tie_embeddings=tie,
-    )
-    torch.manual_seed(0)
-    model = RecurrentLM(args)
-    model.init_weights(0.1)
+    model = tiny_model(tiny_args(97, adapter_init="random", tie_embeddings=tie), std=0.1)
     ids = torch.randint(0, 97, (2, 12))
     labels = torch.randint(0, 97, (2, 12))
 

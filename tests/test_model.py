@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from tests.tiny_models import tiny_args as shared_tiny_args
+from tests.tiny_models import tiny_model
 from titan_recur.inference.engine import greedy_generate
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.blocks import AttentionContext, TransformerBlock
@@ -37,27 +39,11 @@ GROUPS = {
 
 
 def tiny_args(**overrides) -> ModelArgs:
-    values = dict(
-        vocab_size=VOCAB,
-        dim=32,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=8,
-        ffn_dim=48,
-        n_prelude=1,
-        n_core=2,
-        n_coda=1,
-        max_seq_len=64,
-    )
-    values.update(overrides)
-    return ModelArgs(**values)
+    return shared_tiny_args(**{"vocab_size": VOCAB, "max_seq_len": 64, **overrides})
 
 
 def build(seed: int = 0, std: float = 0.02, **overrides) -> RecurrentLM:
-    torch.manual_seed(seed)
-    model = RecurrentLM(tiny_args(**overrides))
-    model.init_weights(std)
-    return model
+    return tiny_model(tiny_args(**overrides), seed, std)
 
 
 def tokens(bsz: int = 2, seqlen: int = 12, seed: int = 1) -> torch.Tensor:

@@ -7,8 +7,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+from tests.tiny_models import tiny_args
+from tests.tiny_models import tiny_model as shared_tiny_model
 from titan_recur.config import LRScheduler, Optimizer
-from titan_recur.models import ModelArgs, RecurrentLM, cross_entropy_loss
+from titan_recur.models import RecurrentLM, cross_entropy_loss
 from titan_recur.training.optim import (
     Muon,
     assign_owners,
@@ -26,23 +28,7 @@ SHAPES = [(8, 5), (5, 8), (6, 6), (1, 4), (12, 3)]
 
 
 def tiny_model(tie: bool = False, seed: int = 0) -> RecurrentLM:
-    torch.manual_seed(seed)
-    args = ModelArgs(
-        vocab_size=64,
-        dim=32,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=8,
-        ffn_dim=48,
-        n_prelude=1,
-        n_core=2,
-        n_coda=1,
-        tie_embeddings=tie,
-        state_init="zero",
-    )
-    model = RecurrentLM(args)
-    model.init_weights()
-    return model
+    return shared_tiny_model(tiny_args(64, tie_embeddings=tie, state_init="zero"), seed)
 
 
 def optimizer_cfg(**overrides) -> Optimizer:

@@ -26,8 +26,10 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
+from tests.tiny_models import tiny_args
+from tests.tiny_models import tiny_model as shared_tiny_model
 from titan_recur.config import Recurrence, config_from_dict, config_to_dict, load_config, parse_args
-from titan_recur.models.args import PRESETS, ModelArgs
+from titan_recur.models.args import PRESETS
 from titan_recur.models.model import RecurrentLM
 from titan_recur.storage.model_io import resolve_model_args, write_model_args
 from titan_recur.training.cost_model import (
@@ -392,7 +394,7 @@ def test_meta_model_matches_source_model(name):
     assert sum(unique.values()) == counts.total
     per_layer = PER_LAYER[preset]
     assert block_params(args) == per_layer
-    for block in [*model.prelude, *model.coda, *(model.core.blocks if model.core is not None else [])]:
+    for block in model.blocks():
         assert numel(block) == per_layer
     assert numel(model.prelude) == counts.prelude == p * per_layer
     assert numel(model.coda) == counts.coda == c * per_layer
@@ -419,11 +421,7 @@ def tiny_model(static: bool, block_type: str = "llama") -> RecurrentLM:
     """A tiny stand-in of a config's model (the presets are too big to step on a CPU)."""
     shape = dict(n_prelude=3, n_core=0, n_coda=0) if static else dict(n_prelude=1, n_core=2, n_coda=1)
     heads = dict(n_heads=4, n_kv_heads=4) if block_type == "olmo2" else dict(n_heads=4, n_kv_heads=2)
-    args = ModelArgs(vocab_size=64, dim=32, head_dim=8, ffn_dim=48, block_type=block_type, **heads, **shape)
-    torch.manual_seed(0)
-    model = RecurrentLM(args)
-    model.init_weights()
-    return model
+    return shared_tiny_model(tiny_args(64, block_type=block_type, **heads, **shape))
 
 
 @pytest.mark.parametrize("name", sorted(PAPER))

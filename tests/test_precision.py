@@ -11,9 +11,10 @@ import copy
 import pytest
 import torch
 
+from tests.tiny_models import SMALL, tiny_args
+from tests.tiny_models import tiny_model as shared_tiny_model
 from tests.torchrun_util import REPO_ROOT
 from titan_recur.config import load_config
-from titan_recur.models.args import ModelArgs
 from titan_recur.models.model import RecurrentLM
 from titan_recur.training.parallelize import forward_autocast, mixed_precision_policy
 from titan_recur.training.trainer import Trainer
@@ -23,23 +24,8 @@ DEBUG_CONFIG = str(REPO_ROOT / "train_configs" / "debug_model.toml")
 
 def tiny_model(shape: tuple[int, int, int], seed: int = 0) -> RecurrentLM:
     p, r, c = shape
-    args = ModelArgs(
-        vocab_size=256,
-        dim=64,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        ffn_dim=128,
-        n_prelude=p,
-        n_core=r,
-        n_coda=c,
-        adapter_init="random",
-        state_init="zero",
-    )
-    torch.manual_seed(seed)
-    model = RecurrentLM(args)
-    model.init_weights()
-    return model
+    layout = dict(n_prelude=p, n_core=r, n_coda=c, adapter_init="random", state_init="zero")
+    return shared_tiny_model(tiny_args(256, SMALL, **layout), seed)
 
 
 def test_policy_and_context_of_each_mode():

@@ -21,6 +21,7 @@ import datasets
 import pytest
 import torch
 
+from tests.tiny_models import SMALL, tiny_args
 from titan_recur.config import load_config
 from titan_recur.data import loader
 from titan_recur.models.args import PRESETS, ModelArgs
@@ -144,9 +145,8 @@ def test_check_problems_are_one_line_each(tmp_path, capsys, argv, expected):
 
 def test_check_reports_a_vocab_mismatch_and_each_unreachable_source(tmp_path, capsys):
     """A model vocab below the tokenizer's: one line. An offline hub dataset and a missing file: one line each."""
-    shape = dict(dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, n_prelude=1, n_core=2, n_coda=1)
-    small = write_standin(tmp_path / "model256", ModelArgs(vocab_size=256, **shape))
-    model = write_standin(tmp_path / "model512", ModelArgs(vocab_size=512, **shape))
+    small = write_standin(tmp_path / "model256", tiny_args(256, SMALL))
+    model = write_standin(tmp_path / "model512", tiny_args(512, SMALL))
     good = f'[[data.sources]]\nname = "math"\npath = "{REPO}/assets/corpus/math.jsonl"\nkind = "jsonl"\n'
     bad = (
         '[[data.sources]]\nname = "hub"\npath = "no-such-org/no-such-dataset"\nkind = "hf"\n'

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.tiny_models import SMALL, tiny_args, tiny_model
 from titan_recur.inference.engine import GenerationOptions, generate
-from titan_recur.models.args import ModelArgs
 from titan_recur.models.model import RecurrentLM
 
 VOCAB = 48
@@ -17,21 +17,7 @@ VOCAB = 48
 
 @pytest.fixture(scope="module")
 def model() -> RecurrentLM:
-    torch.manual_seed(0)
-    args = ModelArgs(
-        vocab_size=VOCAB,
-        dim=64,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        ffn_dim=128,
-        n_prelude=1,
-        n_core=2,
-        n_coda=1,
-        max_seq_len=256,
-    )
-    model = RecurrentLM(args)
-    model.init_weights()
+    model = tiny_model(tiny_args(VOCAB, SMALL, max_seq_len=256))
     with torch.no_grad():  # a random adapter (not the identity init, which ignores the state): depth matters
         model.core.adapter.weight.normal_(0, 0.05)
     return model.eval()

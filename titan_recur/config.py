@@ -25,8 +25,7 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
-from titan_recur.models.args import DEFAULT_SEED, DEFAULT_SIGMA, PRESETS
-from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH
+from titan_recur.models.args import DEFAULT_BACKPROP_DEPTH, DEFAULT_SEED, DEFAULT_SIGMA, PRESETS
 from titan_recur.utils.resources import find_config
 
 # Activation checkpointing modes of the parallelize recipe (their FLOP cost is in titan_recur.training.cost_model).

@@ -66,7 +66,7 @@ def build_model(tie: bool) -> RecurrentLM:
 
 
 def shard_model(model: RecurrentLM, mesh: DeviceMesh) -> None:
-    for block in [*model.prelude, *model.coda]:
+    for block in model.once_blocks():
         fully_shard(block, mesh=mesh)
     fully_shard(model.core, mesh=mesh)
     fully_shard(model, mesh=mesh)

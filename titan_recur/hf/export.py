@@ -21,8 +21,8 @@ import torch
 
 from titan_recur.convert.surgery import LayerPlan, source_tensor_names
 from titan_recur.data.tokenizer import load_tokenizer
-from titan_recur.models.args import STATE_INITS, ModelArgs
-from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, RecurrentLM
+from titan_recur.models.args import DEFAULT_BACKPROP_DEPTH, STATE_INITS, ModelArgs
+from titan_recur.models.model import RecurrentLM
 from titan_recur.storage.model_io import (
     DTYPES,
     check_output_folder,

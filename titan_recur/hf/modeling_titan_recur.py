@@ -30,11 +30,11 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 
 from titan_recur.inference.engine import WARM_START, GenerationOptions, generate
-from titan_recur.models.args import ModelArgs
+from titan_recur.models.args import DEFAULT_BACKPROP_DEPTH, ModelArgs
 from titan_recur.models.blocks import AttentionContext
 from titan_recur.models.cache import KVCache
 from titan_recur.models.loss import cross_entropy_loss
-from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, Decoding, NumSteps, RecurrentLM, resolve_num_steps
+from titan_recur.models.model import Decoding, NumSteps, RecurrentLM, resolve_num_steps
 from titan_recur.training.recurrence import DEFAULT_SEED, DEFAULT_SIGMA, RecurrenceSampler
 
 from .configuration_titan_recur import TitanRecurConfig

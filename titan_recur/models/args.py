@@ -14,6 +14,9 @@ ADAPTER_INITS = ("identity", "random")
 # The depth sampler's defaults (training/recurrence.py); the reference seeds it with 514229 + step.
 DEFAULT_SEED = 514229
 DEFAULT_SIGMA = 0.5
+# The trainer's default backprop depth (docs/method.md §3), and the grad-carrying iterations of a
+# train-mode forward given a depth r rather than (n, k): the last min(r, 8) of its r iterations.
+DEFAULT_BACKPROP_DEPTH = 8
 
 
 @dataclass

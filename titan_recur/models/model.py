@@ -16,16 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_recur.models.args import ModelArgs
+from titan_recur.models.args import DEFAULT_BACKPROP_DEPTH, ModelArgs
 from titan_recur.models.blocks import AttentionContext, RMSNorm, TransformerBlock
 from titan_recur.models.cache import KVCache
 from titan_recur.models.loss import chunked_cross_entropy_sum, cross_entropy_sum
 from titan_recur.models.rope import rope_cos_sin, rope_inverse_frequencies
 
 NumSteps = int | tuple[int, int] | None
-# Grad-carrying iterations of a train-mode forward given a depth r rather than (n, k): the last
-# min(r, 8) of its r iterations, the trainer's default backprop depth (docs/method.md §3).
-DEFAULT_BACKPROP_DEPTH = 8
 
 
 class CoreIteration(nn.Module):

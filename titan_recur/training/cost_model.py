@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from titan_recur.config import AC_MODES, grad_accum_steps
-from titan_recur.models.args import PRESETS, ModelArgs
-from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH, resolve_num_steps
+from titan_recur.models.args import DEFAULT_BACKPROP_DEPTH, PRESETS, ModelArgs
+from titan_recur.models.model import resolve_num_steps
 from titan_recur.storage.model_io import resolve_model_args
 from titan_recur.training.recurrence import RecurrenceSchedule
 from titan_recur.utils.progress import progress

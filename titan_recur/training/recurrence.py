@@ -38,8 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from titan_recur.models.args import DEFAULT_SEED, DEFAULT_SIGMA
-from titan_recur.models.model import DEFAULT_BACKPROP_DEPTH
+from titan_recur.models.args import DEFAULT_BACKPROP_DEPTH, DEFAULT_SEED, DEFAULT_SIGMA
 
 if TYPE_CHECKING:
     from titan_recur.config import Recurrence

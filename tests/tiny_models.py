@@ -1,0 +1,28 @@
+"""The tiny model shapes the unit tests share: random init, CPU, milliseconds per forward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from titan_recur.models.args import ModelArgs
+from titan_recur.models.model import RecurrentLM
+
+# d 32, 4 query / 2 KV heads of 8 (GQA, head_dim != dim / heads), one prelude, two core and one coda block.
+TINY: dict[str, Any] = dict(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, n_prelude=1, n_core=2, n_coda=1)
+# The same layout twice as wide: where a test needs d 64 (FLOP shapes, bf16 rounding, longer contexts).
+SMALL: dict[str, Any] = {**TINY, "dim": 64, "head_dim": 16, "ffn_dim": 128}
+
+
+def tiny_args(vocab_size: int = 97, shape: dict[str, Any] = TINY, **overrides: Any) -> ModelArgs:
+    """``ModelArgs`` of a shared shape; ``overrides`` replace any field (vocab, layout, behaviour)."""
+    return ModelArgs(**{"vocab_size": vocab_size, **shape, **overrides})
+
+
+def tiny_model(args: ModelArgs, seed: int = 0, std: float = 0.02) -> RecurrentLM:
+    """The model of ``args``, seeded and randomly initialised (``init_weights(std)``)."""
+    torch.manual_seed(seed)
+    model = RecurrentLM(args)
+    model.init_weights(std)
+    return model
