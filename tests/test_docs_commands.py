@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from tests.torchrun_util import debug_run_argv
 from titan_recur import config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -370,18 +371,7 @@ def tiny_run(tmp_path_factory) -> Path:
     subprocess.run(
         [
             sys.executable,
-            "-m",
-            "titan_recur.train",
-            "--config",
-            "train_configs/debug_model.toml",
-            "--job.dump_folder",
-            str(run),
-            "--training.steps",
-            "4",
-            "--validation.interval",
-            "2",
-            "--checkpoint.interval",
-            "4",
+            *debug_run_argv(run, "--training.steps", "4", "--validation.interval", "2", "--checkpoint.interval", "4"),
         ],
         cwd=REPO,
         check=True,

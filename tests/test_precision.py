@@ -13,13 +13,11 @@ import torch
 
 from tests.tiny_models import SMALL, tiny_args
 from tests.tiny_models import tiny_model as shared_tiny_model
-from tests.torchrun_util import REPO_ROOT
+from tests.torchrun_util import DEBUG_CONFIG
 from titan_recur.config import load_config
 from titan_recur.models.model import RecurrentLM
 from titan_recur.training.parallelize import forward_autocast, mixed_precision_policy
 from titan_recur.training.trainer import Trainer
-
-DEBUG_CONFIG = str(REPO_ROOT / "train_configs" / "debug_model.toml")
 
 
 def tiny_model(shape: tuple[int, int, int], seed: int = 0) -> RecurrentLM:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.torchrun_util import REPO_ROOT
+from tests.torchrun_util import REPO_ROOT, debug_run_argv
 from titan_recur.config import ConfigError, load_config
 from titan_recur.training.profiling import trace_path
 
@@ -16,21 +16,18 @@ def test_a_debug_run_writes_a_trace_and_a_memory_profile_of_the_chosen_step(tmp_
     done = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "titan_recur.train",
-            "--config",
-            "train_configs/debug_model.toml",
-            "--job.dump_folder",
-            str(dump),
-            "--training.steps",
-            "3",
-            "--validation.enable",
-            "false",
-            "--checkpoint.export_final",
-            "false",
-            "--profiling.trace_steps",
-            "2",
-            "--profiling.memory_snapshot",
+            *debug_run_argv(
+                dump,
+                "--training.steps",
+                "3",
+                "--validation.enable",
+                "false",
+                "--checkpoint.export_final",
+                "false",
+                "--profiling.trace_steps",
+                "2",
+                "--profiling.memory_snapshot",
+            ),
         ],
         cwd=REPO_ROOT,
         capture_output=True,

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun_util import REPO_ROOT, run_torchrun
+from tests.torchrun_util import DEBUG_CONFIG, debug_run_argv, run_torchrun
 from titan_recur.training.trainer import main
 
-DEBUG_CONFIG = str(REPO_ROOT / "train_configs" / "debug_model.toml")
 METRIC_KEYS = {
     "step",
     "loss",
@@ -35,13 +34,8 @@ def read_metrics(dump: Path) -> list[dict]:
 def test_debug_run_on_two_ranks_logs_and_heals(tmp_path):
     dump = tmp_path / "debug"
     proc = run_torchrun(
-        [
-            "-m",
-            "titan_recur.train",
-            "--config",
-            DEBUG_CONFIG,
-            "--job.dump_folder",
-            str(dump),
+        debug_run_argv(
+            dump,
             "--job.print_config",
             "--metrics.log_freq",
             "4",
@@ -53,7 +47,7 @@ def test_debug_run_on_two_ranks_logs_and_heals(tmp_path):
             "20",
             "--data.validation_fraction",
             "0.05",
-        ],
+        ),
         nproc=2,
     )
     lines = read_metrics(dump)
@@ -113,16 +107,7 @@ def test_unknown_key_in_config_file_names_the_file(tmp_path, capsys):
 def test_world_size_not_divisible_by_mesh_fails_on_every_rank(tmp_path):
     with pytest.raises(AssertionError) as failure:
         run_torchrun(
-            [
-                "-m",
-                "titan_recur.train",
-                "--config",
-                DEBUG_CONFIG,
-                "--job.dump_folder",
-                str(tmp_path / "run"),
-                "--parallel.dp_replicate",
-                "3",
-            ],
+            debug_run_argv(tmp_path / "run", "--parallel.dp_replicate", "3"),
             nproc=2,
         )
     assert "world size 2 is not divisible by parallel.dp_replicate=3" in str(failure.value)

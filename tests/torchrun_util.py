@@ -10,6 +10,12 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKERS_DIR = Path(__file__).resolve().parent / "dist_workers"
 OUTPUT_TAIL_CHARS = 8000
+DEBUG_CONFIG = str(REPO_ROOT / "train_configs" / "debug_model.toml")
+
+
+def debug_run_argv(dump: Path, *overrides: str) -> list[str]:
+    """`-m titan_recur.train` on the debug config into ``dump``: what follows python or torchrun."""
+    return ["-m", "titan_recur.train", "--config", DEBUG_CONFIG, "--job.dump_folder", str(dump), *overrides]
 
 
 def run_torchrun(
