@@ -4,7 +4,6 @@ equal to tools/convert_hf.py + `python -m titan_recur.eval loss`, bad input."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import math
@@ -15,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.torchrun_util import load_tool
 from titan_recur.convert.layer_analysis import (
     InMemoryWeights,
     build_model,
@@ -39,15 +39,8 @@ NEAR_IDENTITY_TENSORS = {
 }
 
 
-def tool(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_tool", REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ANALYZE = tool("analyze_layers")
-CONVERT = tool("convert_hf")
+ANALYZE = load_tool("analyze_layers")
+CONVERT = load_tool("convert_hf")
 
 
 def near_identity_copy(asset: str, layers: list[int], folder: Path) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +74,53 @@ def test_bench_loss_chunked_peak_below_plain():
     plain, chunked = (row for row in rows if row[1].strip() in ("plain", "128"))
     assert float(chunked[3]) < 0.5  # peak relative to the plain loss's
     assert plain[5] == chunked[5] or abs(float(plain[5]) - float(chunked[5])) < 1e-4  # the same loss
+
+
+TINY_SHAPE_FLAGS = ["--dim", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "48", "--vocab", "64", "--seq-len", "16"]
+
+
+def markdown_rows(stdout: str) -> list[list[str]]:
+    """The data rows of the markdown tables a benchmark prints."""
+    return [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| r |") and not line.startswith("| n |")
+    ]
+
+
+@pytest.mark.slow
+def test_bench_recurrence_prints_memory_and_the_cost_models_flop_ratio():
+    """The shared shape flags build the model (tools/bench_models.py); the FLOP column is the cost model's."""
+    done = subprocess.run(
+        [sys.executable, "tools/bench_recurrence.py", *TINY_SHAPE_FLAGS, "--batch", "1", "--k", "1"]
+        + ["--memory-points", "0", "--time-points", "1,2", "--repeats", "1"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    memory, r1, r2 = markdown_rows(done.stdout)
+    assert memory[:2] == ["0", "1"] and float(memory[2]) > 0 and memory[3] == "1.000"
+    args = cost_model.ModelArgs(
+        vocab_size=64, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, n_prelude=1, n_core=2, n_coda=1
+    )
+    flops = [cost_model.training_flops_per_token(args, (r - 1, 1), 16).total for r in (1, 2)]
+    assert r1[0] == "1" and r1[3] == "1.00"
+    assert r2[0] == "2" and r2[3] == f"{flops[1] / flops[0]:.2f}" != "1.00"
+
+
+def test_bench_precision_errors_are_bf16_sized():
+    """bf16 against fp32 on the same random model: logits differ at bf16's resolution, neither 0 nor O(1)."""
+    done = subprocess.run(
+        [sys.executable, "tools/bench_precision.py", *TINY_SHAPE_FLAGS, "--batch", "1"]
+        + ["--recurrences", "1,2", "--time-r", "0", "--seeds", "0"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    rows = markdown_rows(done.stdout)
+    assert [(row[0], row[1]) for row in rows] == [("1", "fsdp"), ("1", "autocast"), ("2", "fsdp"), ("2", "autocast")]
+    for row in rows:
+        assert 1e-4 < float(row[2].split()[0]) < 5e-2, row

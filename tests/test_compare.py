@@ -4,18 +4,17 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.torchrun_util import load_tool
 from titan_recur.data.tokenizer import load_tokenizer
 from titan_recur.eval.comparison import EvalSettings, compare, read_run
 from titan_recur.inference.engine import greedy_generate
@@ -29,15 +28,6 @@ QUICK_RECURRENCES = ["1", "4"]  # tools/reproduce_mini.sh --quick
 TASKS = tuple(f"perm_{n}" for n in range(7, 13))  # --quick evaluates the long chains only
 METRIC = "exact_match,flexible-extract"
 TOKENIZER = REPO / "assets" / "tokenizer"
-
-
-def load_tool(name: str):
-    """A tools/ script imported in-process (cheaper than a subprocess)."""
-    spec = importlib.util.spec_from_file_location(f"{name}_tool", REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import re
-import sys
 from itertools import islice
 from pathlib import Path
 
@@ -15,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from torchrun_util import REPO_ROOT, WORKERS_DIR, run_torchrun
 
+from tests.torchrun_util import REPO_ROOT, WORKERS_DIR, load_tool, run_torchrun
 from titan_recur.config import Data, DataPhase, DataSource
 from titan_recur.data.loader import build_dataloader, check_data_config
 from titan_recur.data.tokenizer import check_vocab, load_tokenizer
@@ -25,9 +23,7 @@ SEQ_LEN = 8
 WORDS = "the a cat dog sat on mat two plus equals four sum of".split()
 
 # tools/prepare_data.py, imported by name so that its process pool can pickle its functions
-_spec = importlib.util.spec_from_file_location("prepare_data", REPO_ROOT / "tools" / "prepare_data.py")
-prepare_data = sys.modules["prepare_data"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(prepare_data)
+prepare_data = load_tool("prepare_data", module_name="prepare_data")
 
 
 def make_docs(prefix: str, n: int, seed: int = 0) -> list[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from tests.torchrun_util import debug_run_argv
+from tests.torchrun_util import debug_run_argv, load_tool
 from titan_recur import config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -406,11 +406,7 @@ def test_documented_command_runs(command, tiny_run, tmp_path):
 
 def test_the_readme_cost_table_is_the_cost_models():
     """README's cost table is what `python tools/cost_table.py` prints today (regenerate it after a change)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("cost_table", REPO / "tools" / "cost_table.py")
-    cost_table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cost_table)
+    cost_table = load_tool("cost_table")
     readme = (REPO / "README.md").read_text()
     shown = readme.split("<!-- cost-table -->\n", 1)[1].split("\n<!-- /cost-table -->", 1)[0]
     assert shown == cost_table.table(0.4)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from tests.test_train_distributed import make_model_dir
+from tests.torchrun_util import load_tool
 from titan_recur import ModelArgs, RecurrentLM, greedy_generate, load_model, save_model
 from titan_recur.convert.surgery import ConvertOptions, convert, plan_layers
 from titan_recur.hf.export import ExportError, export_hf, lm_eval_command, standalone_modeling_source
@@ -295,10 +295,7 @@ def documented_model_args(command: str) -> str:
 
 
 def export_tool():
-    spec = importlib.util.spec_from_file_location("export_hf_tool", REPO / "tools" / "export_hf.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("export_hf")
 
 
 def test_export_tool_and_its_errors(recurrent_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

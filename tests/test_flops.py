@@ -2,7 +2,6 @@
 
 import copy
 import functools
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.tiny_models import SMALL
 from tests.tiny_models import tiny_args as shared_tiny_args
+from tests.torchrun_util import load_tool
 from titan_recur.models.args import PRESETS, ModelArgs
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.models.model import RecurrentLM
@@ -342,12 +342,7 @@ def test_cli_errors_are_one_line(tool, capsys: pytest.CaptureFixture, argv: list
 @pytest.fixture(scope="module")
 def tool():
     """tools/flops.py imported in-process (cheaper than a subprocess per case)."""
-    spec = importlib.util.spec_from_file_location("flops_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    return load_tool("flops")
 
 
 def test_cli_config_batch_and_table(tool, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

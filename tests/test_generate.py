@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.tiny_models import tiny_args, tiny_model
+from tests.torchrun_util import load_tool
 from titan_recur.cli.generate import main as generate_main
 from titan_recur.inference.engine import EXIT_CRITERIA, GenerationOptions, generate, left_pad
 from titan_recur.models.cache import KVCache
@@ -332,19 +333,9 @@ def test_cache_bytes_latest_is_the_static_models_and_full_grows_with_r() -> None
         assert KVCache.planned_bytes(a, bsz, 5 + 3, r, mode, 4) == nbytes
 
 
-def load_bench_generate():
-    """tools/bench_generate.py as a module (tools/ is not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_generate", REPO / "tools" / "bench_generate.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_bench_memory_quotes_the_llama_retrofit_cache(capsys) -> None:
     """The docs' figure: Llama-3.2-1B as (4,6,4), 2048 bf16 tokens, r = 32: 200 slots x 2 x 8 heads x 64 dims."""
-    bench = load_bench_generate()
+    bench = load_tool("bench_generate")
     bench.main(["memory", "--recurrences", "32", "--kv-sharing-modes", "full,latest"])
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| 32 ")]
     assert [[cell.strip() for cell in row] for row in rows] == [
@@ -355,7 +346,7 @@ def test_bench_memory_quotes_the_llama_retrofit_cache(capsys) -> None:
 
 def test_bench_speed_times_every_engine_in_interleaved_rounds(capsys) -> None:
     """The speed table docs/benchmarks.md quotes: one row per engine, ratios to ``cat`` from the same rounds."""
-    bench = load_bench_generate()
+    bench = load_tool("bench_generate")
     bench.main(
         [
             "speed",

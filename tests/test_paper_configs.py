@@ -9,7 +9,6 @@ for tools/flops.py, from stand-in folders holding just the converted config.json
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -28,6 +27,7 @@ except ModuleNotFoundError:  # Python < 3.11
 
 from tests.tiny_models import tiny_args
 from tests.tiny_models import tiny_model as shared_tiny_model
+from tests.torchrun_util import load_tool
 from titan_recur.config import Recurrence, config_from_dict, config_to_dict, load_config, parse_args
 from titan_recur.models.args import PRESETS
 from titan_recur.models.model import RecurrentLM
@@ -306,22 +306,12 @@ def test_data(name):
     assert healing["sources"][0]["text_field"] == mix["sources"][0]["text_field"]
 
 
-def _load_module(name: str, path: Path):
-    """A tools/ script as a module (once; registered first, as dataclasses need)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def convert_tool():
-    return _load_module("convert_hf_tool", REPO / "tools" / "convert_hf.py")
+    return load_tool("convert_hf")
 
 
 def flops_tool():
-    return _load_module("flops_tool", FLOPS_TOOL)
+    return load_tool("flops")
 
 
 def check_convert_command(argv: list[str], preset: str, shape: tuple[int, int, int], output: str):

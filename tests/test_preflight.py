@@ -9,7 +9,6 @@ tiny tokenizer), and the hub is replaced by a local file serving each dataset's 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 from tests.tiny_models import SMALL, tiny_args
+from tests.torchrun_util import load_tool
 from titan_recur.config import load_config
 from titan_recur.data import loader
 from titan_recur.models.args import PRESETS, ModelArgs
@@ -240,14 +240,7 @@ def test_block_saved_bytes_match_saved_tensor_hooks(block_type, kv_heads, dtype)
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(REPO / "tools"))  # as for the script itself: its sibling process_memory
-    spec = importlib.util.spec_from_file_location("bench_memory", REPO / "tools" / "bench_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
-    sys.path.remove(str(REPO / "tools"))
+    return load_tool("bench_memory")
 
 
 @pytest.fixture(scope="module")

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.torchrun_util import load_tool
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def depth_task():
-    spec = importlib.util.spec_from_file_location("make_depth_task_tool", REPO / "tools" / "make_depth_task.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("make_depth_task")
 
 
 def read_jsonl(path: Path) -> list[dict]:

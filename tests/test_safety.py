@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import os
 import shutil
@@ -38,7 +37,7 @@ from tests.test_checkpoint import (
     write_config,
 )
 from tests.test_train_distributed import make_model_dir
-from tests.torchrun_util import run_torchrun
+from tests.torchrun_util import load_tool, run_torchrun
 from titan_recur.config import ConfigError, load_config
 from titan_recur.storage.checkpoint import scan_checkpoints, verify_checkpoint
 from titan_recur.storage.manifest import MANIFEST_NAME, IntegrityError
@@ -56,15 +55,6 @@ def model(tmp_path_factory) -> Path:
     folder = make_model_dir(tmp_path_factory.mktemp("model"))
     write_model_args(dataclasses.replace(read_model_args(folder), state_init="normal"), folder)
     return folder
-
-
-def load_tool(name: str):
-    """A tools/ script as a module (they are not a package)."""
-    spec = importlib.util.spec_from_file_location(f"{name}_tool", REPO_ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def one_source_config(root: Path, model: Path) -> Path:

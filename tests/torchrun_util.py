@@ -1,11 +1,14 @@
-"""Launch multi-process tests with torchrun (torch.multiprocessing.spawn sometimes SIGABRTs at exit)."""
+"""Helpers the tests share: torchrun launches (torch.multiprocessing.spawn sometimes SIGABRTs at exit), the debug
+run's argv, and tools/ scripts imported as modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKERS_DIR = Path(__file__).resolve().parent / "dist_workers"
@@ -50,3 +53,25 @@ def _tail(stdout: str | bytes | None, stderr: str | bytes | None) -> str:
         f"--- stdout (tail) ---\n{text(stdout)[-OUTPUT_TAIL_CHARS:]}\n"
         f"--- stderr (tail) ---\n{text(stderr)[-OUTPUT_TAIL_CHARS:]}"
     )
+
+
+def load_tool(name: str, module_name: str | None = None) -> ModuleType:
+    """tools/<name>.py imported in-process (cheaper than a subprocess), once per test session.
+
+    It runs as the script would see it: tools/ first on sys.path (its sibling imports resolve) and the
+    module registered in sys.modules before it runs (dataclasses and pickling look it up there).
+    """
+    module_name = module_name or f"{name}_tool"
+    if module_name not in sys.modules:
+        tools = str(REPO_ROOT / "tools")
+        spec = importlib.util.spec_from_file_location(module_name, REPO_ROOT / "tools" / f"{name}.py")
+        module = sys.modules[module_name] = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, tools)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+        finally:
+            sys.path.remove(tools)
+    return sys.modules[module_name]

@@ -63,8 +63,9 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from bench_models import add_shape_arguments, random_model, shape_model_args  # a sibling: tools/ is sys.path[0]
 
-from titan_recur import ModelArgs, RecurrentLM
+from titan_recur import RecurrentLM
 from titan_recur.inference.engine import GenerationOptions, generate
 from titan_recur.models.model import Decoding
 
@@ -118,12 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     speed = commands.add_parser("speed", help="tokens/s of the engine vs the concatenating cache")
     speed.add_argument("--device", default="cpu")
     speed.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    speed.add_argument("--dim", type=int, default=256)
-    speed.add_argument("--heads", type=int, default=4)
-    speed.add_argument("--kv-heads", type=int, default=2)
-    speed.add_argument("--ffn", type=int, default=768)
-    speed.add_argument("--vocab", type=int, default=512)
-    speed.add_argument("--shape", default="1,2,1", help="P,R,C")
+    add_shape_arguments(speed)
     speed.add_argument("--batch-sizes", default="1,8")
     speed.add_argument("--recurrences", default="1,4,32")
     speed.add_argument("--prompt-len", type=int, default=32)
@@ -193,24 +189,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_model(args: argparse.Namespace) -> RecurrentLM:
-    prelude, core, coda = (int(v) for v in args.shape.split(","))
-    model_args = ModelArgs(
-        vocab_size=args.vocab,
-        dim=args.dim,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        head_dim=args.dim // args.heads,
-        ffn_dim=args.ffn,
-        n_prelude=prelude,
-        n_core=core,
-        n_coda=coda,
-        adapter_init="random",
-        state_init="zero",
-        max_seq_len=args.prompt_len + args.new_tokens,
-    )
-    torch.manual_seed(0)
-    model = RecurrentLM(model_args)
-    model.init_weights()
+    model = random_model(shape_model_args(args, max_seq_len=args.prompt_len + args.new_tokens))
     return model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
 
 

@@ -28,17 +28,14 @@ from __future__ import annotations
 import argparse
 import time
 
+from bench_models import add_shape_arguments, random_model, shape_model_args  # a sibling: tools/ is sys.path[0]
+
 MODES = ("fp32", "fsdp", "autocast")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--ffn", type=int, default=768)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--shape", default="2,2,2", help="P,R,C")
+    add_shape_arguments(parser, vocab=2048, shape="2,2,2")
     parser.add_argument("--block-type", default="llama", choices=["llama", "olmo2"])
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -55,7 +52,6 @@ def build(args: argparse.Namespace, mode: str, seed: int):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from titan_recur.models.model import RecurrentLM
     from titan_recur.storage.model_io import load_model
     from titan_recur.training.parallelize import apply_fsdp, build_dp_mesh, mixed_precision_policy
 
@@ -64,32 +60,11 @@ def build(args: argparse.Namespace, mode: str, seed: int):
         model = load_model(args.model)
         model.core.adapter.reset_parameters()  # the reference's random adapter (nn.Linear's init)
     else:
-        model = RecurrentLM(model_args(args))
-        model.init_weights()
+        model = random_model(shape_model_args(args, block_type=args.block_type), seed)
     model.args.state_init = "zero"
     policy = MixedPrecisionPolicy() if mode == "fp32" else mixed_precision_policy("cuda", "bfloat16", "float32", mode)
     apply_fsdp(model, build_dp_mesh("cpu", 1, 1, -1), policy)
     return model
-
-
-def model_args(args: argparse.Namespace):
-    from titan_recur.models.args import ModelArgs
-
-    prelude, core, coda = (int(v) for v in args.shape.split(","))
-    return ModelArgs(
-        vocab_size=args.vocab,
-        dim=args.dim,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        head_dim=args.dim // args.heads,
-        ffn_dim=args.ffn,
-        n_prelude=prelude,
-        n_core=core,
-        n_coda=coda,
-        block_type=args.block_type,
-        adapter_init="random",
-        state_init="zero",
-    )
 
 
 def context(mode: str):

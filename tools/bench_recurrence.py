@@ -19,18 +19,14 @@ import json
 import sys
 import time
 
-from process_memory import current_bytes, peak_bytes, run_child  # a sibling: tools/ is sys.path[0] for a script
+from bench_models import add_shape_arguments, random_model, shape_model_args  # siblings: tools/ is sys.path[0]
+from process_memory import current_bytes, peak_bytes, run_child
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--ffn", type=int, default=768)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--shape", default="1,2,1", help="P,R,C")
+    add_shape_arguments(parser)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--ac-mode", default="per_iteration", choices=["none", "full", "per_iteration"])
@@ -47,27 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_model(args: argparse.Namespace):
     import torch
 
-    from titan_recur import ModelArgs, RecurrentLM
     from titan_recur.training.parallelize import parallelize_model
 
-    prelude, core, coda = (int(v) for v in args.shape.split(","))
-    model_args = ModelArgs(
-        vocab_size=args.vocab,
-        dim=args.dim,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        head_dim=args.dim // args.heads,
-        ffn_dim=args.ffn,
-        n_prelude=prelude,
-        n_core=core,
-        n_coda=coda,
-        adapter_init="random",
-        state_init="zero",
-    )
-    torch.manual_seed(0)
-    model = RecurrentLM(model_args)
-    model.init_weights()
-    model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
+    model_args = shape_model_args(args)
+    model = random_model(model_args).to(device=args.device, dtype=getattr(torch, args.dtype))
     parallelize_model(model, None, ac_mode=args.ac_mode, compile_blocks=args.compile, mp_policy=None)
     return model, model_args
 
