@@ -420,6 +420,15 @@ def test_warm_start_continues_from_the_previous_tokens_state(model: RecurrentLM)
     assert not torch.allclose(out.logits[:, 1:], cold.logits[:, 1:], atol=1e-3)
 
 
+def test_warm_start_on_a_static_model_decodes_as_a_cold_start() -> None:
+    """A static model has no recurrent state: state_init="previous" has nothing to carry over (it used to
+    fail indexing the missing state)."""
+    static, prompt = build(n_core=0), torch.tensor([[5, 7, 11]])
+    warm = generate(static, prompt, GenerationOptions(max_new_tokens=4, state_init="previous"))
+    cold = generate(static, prompt, GenerationOptions(max_new_tokens=4))
+    assert torch.equal(warm.tokens, cold.tokens)
+
+
 def test_sampling_is_seeded(model: RecurrentLM) -> None:
     ids, mask = left_pad(prompts(), 0)
 

@@ -18,7 +18,7 @@ import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, cast, get_args, get_origin, get_type_hints
 
 try:
     import tomllib
@@ -456,7 +456,7 @@ def _suggest(name: str, choices: Sequence[str]) -> str | None:
 def _render(path: tuple[str | int, ...]) -> str:
     """("data", "phases", 1, "sources", 0) -> "[data.phases][1].sources[0]"."""
     n = next((i for i, p in enumerate(path) if isinstance(p, int)), len(path))
-    out = f"[{'.'.join(path[:n])}]"
+    out = f"[{'.'.join(cast('tuple[str, ...]', path[:n]))}]"  # the keys before the first index
     for p in path[n:]:
         out += f"[{p}]" if isinstance(p, int) else f".{p}"
     return out
@@ -476,7 +476,7 @@ def _from_value(value: Any, tp: Any, source: str, path: tuple[str | int, ...]) -
     if optional and value is None:
         return None
     if dataclasses.is_dataclass(inner) and isinstance(value, dict):
-        return _build(inner, value, source, path)
+        return _build(cast(type, inner), value, source, path)  # a type hint: a dataclass type
     if origin is list and isinstance(value, (list, tuple)):
         return [_from_value(v, args[0], source, path + (i,)) for i, v in enumerate(value)]
     if origin is tuple and isinstance(value, (list, tuple)) and len(value) == len(args):
@@ -611,7 +611,8 @@ def _assign(cfg: JobConfig, name: str, value: Any) -> None:
                 f"{len(entries)} (that one appends a new entry)"
             )
         if index == len(entries):
-            entries.append(get_args(_hints(type(obj))[key])[0]())
+            table: type = type(obj)
+            entries.append(get_args(_hints(table)[key])[0]())
         obj = entries[index]
     setattr(obj, parts[-1], value)
 
@@ -818,6 +819,7 @@ def _validate_architecture(m: Model) -> None:
     for f in (*_ARCHITECTURE, "n_kv_heads"):
         value = getattr(m, f)
         _require(value is None or value >= 1, f"model.{f} must be >= 1, got {value}")
+    assert m.dim is not None and m.n_heads is not None  # required above
     _require(m.dim % m.n_heads == 0, f"model.dim ({m.dim}) must be a multiple of model.n_heads ({m.n_heads})")
     kv = m.n_kv_heads or m.n_heads
     _require(m.n_heads % kv == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({kv})")

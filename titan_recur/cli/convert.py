@@ -115,12 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    lists = [None if value is None else parse_layers(value) for value in (args.prelude, args.core, args.coda)]
+    prelude, core, coda = (
+        None if value is None else parse_layers(value) for value in (args.prelude, args.core, args.coda)
+    )
     shape = None if args.shape is None else parse_shape(args.shape)
     check_output(args.output, args.force)  # before any download
     folder = resolve_source(args.source, args.revision)
     source = read_source(folder)
-    plan = plan_layers(source.n_layers, shape, *lists, static=args.static)  # type: ignore[misc]
+    plan = plan_layers(source.n_layers, shape, prelude, core, coda, static=args.static)
     options = ConvertOptions(
         adapter_init=args.adapter_init,
         state_init=args.state_init,

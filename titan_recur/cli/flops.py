@@ -11,6 +11,7 @@ import argparse
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, cast
 
 from titan_recur.config import ConfigError, Recurrence, Training, load_config
 from titan_recur.models.args import PRESETS, ModelArgs
@@ -276,6 +277,7 @@ def setup_from_config(path: str, overrides: list[str], world_size: int) -> Setup
     run = config_training_run(cfg, world_size)
     label = cfg.model.path or f"{cfg.model.preset} {shape_label(run.args)}"
     r = cfg.recurrence
+    assert run.schedule is not None  # config_training_run always builds one
     return Setup(
         f"{label} [{path}]",
         run.args,
@@ -343,13 +345,15 @@ def report(ns: argparse.Namespace, setup: Setup) -> dict:
         raise ValueError(f"steps must be in [1, {MAX_STEPS:,}] (FLOPs are summed step by step), got {setup.steps}")
     if not 0 <= at_step <= setup.steps:
         raise ValueError(f"--at-step must be in [0, {setup.steps}] (the run's steps), got {at_step}")
-    num_steps = parse_pair(ns.num_steps, "--num-steps", 2) if ns.num_steps else setup.final_num_steps()
+    num_steps = (
+        cast(tuple[int, int], parse_pair(ns.num_steps, "--num-steps", 2)) if ns.num_steps else setup.final_num_steps()
+    )
     other = resolve_other(ns.match, setup, ns.world_size) if ns.match else None
     per_token = training_flops_per_token(setup.args, num_steps, setup.seq_len, setup.ac_mode)
     mean = setup.schedule.mean(setup.steps)
     counts = param_counts(setup.args)
     run = setup.run()
-    out = {
+    out: dict[str, Any] = {
         "model": setup.label,
         "assumptions": assumptions(ns, setup),
         "recurrent": setup.args.is_recurrent,

@@ -183,6 +183,7 @@ def check_generation_memory(
 ) -> None:
     """The largest batch's KV cache (and its returned logits) with the weights fit the device's free memory."""
     rows = min(batch_size, len(encoded))
+    assert options.num_steps is not None  # resolved by the caller
     capacity = max(len(row) for row in encoded) + options.max_new_tokens
     core = core_slots_per_block(options.kv_sharing, options.num_steps) * model_args.n_core
     slots = model_args.n_prelude + model_args.n_coda + core

@@ -74,6 +74,7 @@ def _init_worker(folder: str) -> None:
 def _encode_chunk(docs: list) -> tuple[np.ndarray, int]:
     """The packed (2, tokens) stream of a chunk of documents, ids and labels (int32: cheap to send back), and its
     document count."""
+    assert _tokenizer is not None  # the pool's initializer, _init_worker, loaded it
     kept = [d for d in docs if not is_empty(d)]
     pairs = [encode_labelled(_tokenizer, d) for d in kept]
     ids = [t for pair in pairs for t in pair[0]]

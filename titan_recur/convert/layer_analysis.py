@@ -282,7 +282,7 @@ def rank_candidates(
     by_angle = sorted(plans, key=lambda plan: angular_score(plan, stats))
     rows = []
     for rank, plan in enumerate(tqdm(by_angle, desc="candidates", unit="cand", disable=not progress), start=1):
-        row = {
+        row: dict[str, Any] = {
             "prelude": list(plan.prelude),
             "core": list(plan.core),
             "coda": list(plan.coda),

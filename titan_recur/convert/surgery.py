@@ -240,7 +240,7 @@ def read_source(folder: str | Path) -> SourceModel:
         raise ConversionError(f"{config_path}: not valid JSON ({err})") from None
     if not isinstance(config, dict):
         raise ConversionError(f"{config_path}: not an HF config (a JSON object)")
-    model_type = config.get("model_type")
+    model_type: Any = config.get("model_type")  # a JSON value
     architecture = (config.get("architectures") or [_ARCHITECTURE_OF_MODEL_TYPE.get(model_type, model_type)])[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ConversionError(
@@ -253,7 +253,7 @@ def read_source(folder: str | Path) -> SourceModel:
 
 def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """theta and scaling from top-level keys (real Llama-3 configs) or rope_parameters (transformers 5)."""
-    params = dict(config.get("rope_parameters") or {})
+    params: dict[str, Any] = dict(config.get("rope_parameters") or {})
     theta = float(config.get("rope_theta", params.pop("rope_theta", 10000.0)))
     params.pop("rope_theta", None)
     scaling = dict(config.get("rope_scaling") or params)

@@ -35,7 +35,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import datasets
 import numpy as np
@@ -367,8 +367,9 @@ class _SourceStream:
         """Read the next batch of documents, starting a new epoch at the end of the source."""
         if self.batches is None:
             self._open()
+        batches = cast(Iterator[dict], self.batches)  # _open set it
         try:
-            batch = next(self.batches)
+            batch = next(batches)
         except (ValueError, OSError) as err:  # e.g. a JSON parse error further into a file
             raise read_error(self.source, err) from None
         except StopIteration:

@@ -17,12 +17,13 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from titan_recur.config import JobConfig, load_config
+from titan_recur.config import DataFormat, JobConfig, load_config
 from titan_recur.storage.checkpoint import read_metadata, scan_checkpoints
 from titan_recur.storage.model_io import read_model_args
 from titan_recur.training.cost_model import CONVENTIONS, TrainingRun, config_training_run
+from titan_recur.training.recurrence import RecurrenceSchedule
 from titan_recur.utils.plots import figure_vs_r, pyplot, save_figure
 
 CONFIG_NAME, METRICS_NAME, FINAL_MODEL = "config.json", "metrics.jsonl", "final_model"
@@ -154,7 +155,7 @@ class EvalSettings:
     tasks: list[str] = field(default_factory=list)
     data: str | None = None
     text_field: str = "text"
-    data_format: str = "text"  # 'prompt_completion': the loss on the completions only
+    data_format: DataFormat = "text"  # 'prompt_completion': the loss on the completions only
     loss_batches: int = 8
     loss_batch_size: int = 8
     seq_len: int | None = None  # default: the run's training.seq_len
@@ -284,7 +285,8 @@ def _describe(run: Run) -> dict[str, Any]:
         "folder": str(run.folder),
         "recurrent": run.recurrent,
         "shape": [args.n_prelude, args.n_core, args.n_coda],
-        "train_mean_recurrence": schedule.mean(run.step) if run.recurrent else None,
+        # A recurrent run's TrainingRun has a schedule.
+        "train_mean_recurrence": cast(RecurrenceSchedule, schedule).mean(run.step) if run.recurrent else None,
         "steps": run.step,
         "planned_steps": t.steps,
         "world_size": run.world_size,

@@ -90,7 +90,8 @@ def harness_sweep(
     tasks = check_tasks(tasks, task_manager)
     if exit_thresholds and lm.generation.exit_criterion is None:
         raise ValueError("exit thresholds to sweep need exit_criterion in the model args")
-    settings = [(r, t) for r in recurrences for t in (exit_thresholds or [None])]
+    thresholds: Sequence[float | None] = exit_thresholds or [None]
+    settings = [(r, t) for r in recurrences for t in thresholds]
     for r, t in settings:
         _apply(lm, r, t)
     results = {}

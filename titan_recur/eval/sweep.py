@@ -6,11 +6,11 @@ import itertools
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from titan_recur.config import Data, DataSource, load_config
+from titan_recur.config import Data, DataFormat, DataSource, load_config
 from titan_recur.data.loader import build_dataloader
 from titan_recur.data.tokenizer import Tokenizer
 from titan_recur.models.model import RecurrentLM
@@ -21,13 +21,13 @@ from titan_recur.utils.progress import progress
 JSON_NAME = "validation_loss.json"
 PLOT_NAME = "validation_loss.png"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-_KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+_KINDS: dict[str, Literal["jsonl", "parquet"]] = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
-def data_source(path: str, text_field: str = "text", data_format: str = "text") -> Data:
+def data_source(path: str, text_field: str = "text", data_format: DataFormat = "text") -> Data:
     """A one-source data config for a held-out file (or glob): jsonl/json, parquet, else plain text;
     ``data_format`` 'prompt_completion': records whose loss is on the completion only."""
-    kind = _KINDS.get(Path(path).suffix, "text")
+    kind: Literal["text", "jsonl", "parquet"] = _KINDS.get(Path(path).suffix, "text")
     return Data(
         sources=[DataSource(name=Path(path).name, path=path, kind=kind, text_field=text_field, format=data_format)]
     )
@@ -88,7 +88,7 @@ def is_documents_file(path: Path) -> bool:
     return isinstance(record, dict) and set(record) in (set(), {"text"}, {"prompt", "completion"})
 
 
-def write_documents(documents: Iterable[str], out: str | Path, limit: int) -> int:
+def write_documents(documents: Iterable[str | tuple[str, str]], out: str | Path, limit: int) -> int:
     """The first ``limit`` documents as jsonl ({"text": ...} per line, a record as {"prompt": ..., "completion":
     ...}), written atomically; returns the count."""
     out = Path(out)
@@ -118,7 +118,7 @@ def heldout_batches(
     text_field: str = "text",
     config: str | None = None,
     ranks: int = 1,
-    data_format: str = "text",
+    data_format: DataFormat = "text",
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Packed batches of ``data`` (every document), or of the validation split of a train config.
 

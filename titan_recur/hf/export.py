@@ -15,7 +15,7 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -84,19 +84,20 @@ def standalone_modeling_source() -> str:
     defined: set[str] = set()
     parts = [_HEADER.format(modules=", ".join(INLINED_MODULES))]
     for name in INLINED_MODULES:
-        path = Path(importlib.import_module(name).__file__)
+        path = Path(cast(str, importlib.import_module(name).__file__))  # a module from a source file
         source = path.read_text()
         tree = ast.parse(source)
         drop: set[int] = set()
         typing_only = [node for node in tree.body if _is_typing_only_titan_recur_import(node)]
         skipped = {id(child) for node in typing_only for child in ast.walk(node)}
-        for node in typing_only:
-            drop.update(range(node.lineno, node.end_lineno + 1))
-        for node in ast.walk(tree):  # type: ignore[assignment]
+        # ast.parse sets every node's end_lineno.
+        for statement in typing_only:
+            drop.update(range(statement.lineno, cast(int, statement.end_lineno) + 1))
+        for node in ast.walk(tree):
             if id(node) in skipped:
                 continue
             if isinstance(node, ast.ImportFrom) and node.module == "__future__":
-                drop.update(range(node.lineno, node.end_lineno + 1))
+                drop.update(range(node.lineno, cast(int, node.end_lineno) + 1))
             elif isinstance(node, (ast.Import, ast.ImportFrom)) and _imports_titan_recur(node):
                 if node.col_offset or not isinstance(node, ast.ImportFrom):
                     raise ExportError(
@@ -108,7 +109,7 @@ def standalone_modeling_source() -> str:
                         f"{path}:{node.lineno}: cannot inline {missing}: not defined by an earlier module of "
                         f"{INLINED_MODULES} (or imported under another name)"
                     )
-                drop.update(range(node.lineno, node.end_lineno + 1))
+                drop.update(range(node.lineno, cast(int, node.end_lineno) + 1))
         defined |= _top_level_names(tree)
         kept = [line for i, line in enumerate(source.splitlines(), start=1) if i not in drop]
         parts.append(f"# {'-' * 30} {name} {'-' * 30}\n" + "\n".join(kept).strip() + "\n")

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import transformers
@@ -60,6 +61,8 @@ FORWARD_KWARGS = ("num_steps", "state_init", "use_cache", "output_hidden_states"
 class CheckpointedIteration(nn.Module):
     """The core iteration under transformers' gradient checkpointing: each grad-carrying iteration is
     recomputed in backward (``gradient_checkpointing_enable`` sets the two attributes below)."""
+
+    _gradient_checkpointing_func: Callable[..., torch.Tensor]
 
     def __init__(self, iteration: nn.Module) -> None:
         super().__init__()
@@ -208,8 +211,10 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("token_type_ids must be all zero (or omitted): the model has a single token type")
         cache = cache if cache is not None else past_key_values
         depth = self.resolve_depth(num_steps)
-        if use_cache and cache is None:  # sized for this call; it grows as generation goes on
-            cache = self.new_cache(input_ids if input_ids is not None else inputs_embeds, sum(depth))
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        # Sized for this call; it grows as generation goes on. Without tokens the model refuses the call.
+        if use_cache and cache is None and tokens is not None:
+            cache = self.new_cache(tokens, sum(depth))
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         states: list[torch.Tensor] = []
@@ -223,12 +228,13 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             decoding=Decoding(cache=cache, position_ids=position_ids),
         )
         loss = None if labels is None else cross_entropy_loss(logits[:, :-1], labels[:, 1:])
+        cache_field: dict[str, Any] = {CACHE_FIELD: cache}  # the field's name depends on the transformers version
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
             # transformers' convention: the last layer's output is given after the final norm.
             hidden_states=(*states[:-2], states[-1]) if output_hidden_states else None,
-            **{CACHE_FIELD: cache},
+            **cache_field,
         )
 
     def prepare_inputs_for_generation(
@@ -309,6 +315,7 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             return self.transformers_generate(
                 input_ids, attention_mask, generation_config, config, seed, num_steps, state_init, kwargs
             )
+        assert input_ids is not None  # else engine_blockers gave "no input_ids"
         width = input_ids.shape[1]
         max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - width
         eos = config.eos_token_id
@@ -350,14 +357,14 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         if pad is not None:  # as transformers does: pad after a row finished
             columns = torch.arange(tokens.shape[1], device=tokens.device)
             tokens = tokens.masked_fill(columns >= out.lengths[:, None], pad)
-        sequences = torch.cat([input_ids, tokens], dim=1)
+        sequences = cast(torch.LongTensor, torch.cat([input_ids, tokens], dim=1))  # token ids: int64
         if not config.return_dict_in_generate:
-            return sequences  # type: ignore[return-value]
-        logits = tuple(out.logits.unbind(1)) if config.output_logits else None
+            return sequences
+        logits = tuple(out.logits.unbind(1)) if out.logits is not None else None  # given when output_logits
         spec = out.speculation
         return TitanRecurGenerateOutput(
             sequences=sequences,
-            logits=logits,
+            logits=logits,  # type: ignore[arg-type]  # transformers annotates it tuple[FloatTensor], one item
             steps=out.steps,
             draft_accepted=None if spec is None else spec.accepted,
             draft_proposed=None if spec is None else spec.drafted,
@@ -404,7 +411,10 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         if config.get_generation_mode(kwargs.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION:
             # Assisted decoding verifies drafts in a cache it crops: it needs one before the first forward.
             depth = sum(self.resolve_depth(num_steps))
-            kwargs = {CACHE_FIELD: self.new_cache(input_ids, depth), **kwargs}
+            prompt = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+            if prompt is None:
+                raise ValueError("assisted decoding needs input_ids or inputs_embeds: its cache is sized from them")
+            kwargs = {CACHE_FIELD: self.new_cache(prompt, depth), **kwargs}
         devices = [input_ids.device] if input_ids is not None and input_ids.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
@@ -490,10 +500,10 @@ class TitanRecurGenerateOutput(GenerateDecoderOnlyOutput):
     (below num_steps where it exited early; 0 after its row finished). With draft_steps, per row (B,): the
     drafted tokens proposed and accepted, and the core iterations drafts and verifications ran in all."""
 
-    steps: torch.LongTensor | None = None
-    draft_proposed: torch.LongTensor | None = None
-    draft_accepted: torch.LongTensor | None = None
-    core_iterations: torch.LongTensor | None = None
+    steps: torch.Tensor | None = None
+    draft_proposed: torch.Tensor | None = None
+    draft_accepted: torch.Tensor | None = None
+    core_iterations: torch.Tensor | None = None
 
 
 def default_generation_config() -> GenerationConfig:

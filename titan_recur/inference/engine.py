@@ -14,6 +14,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from titan_recur.models.args import STATE_INITS, ModelArgs
 from titan_recur.models.blocks import AttentionContext
 from titan_recur.models.cache import KVCache, core_slots_per_block
-from titan_recur.models.model import CoreResult, Decoding, RecurrentLM, iteration_contexts
+from titan_recur.models.model import CoreResult, Decoding, RecurrentCore, RecurrentLM, iteration_contexts
 
 EXIT_CRITERIA = ("kl", "latent-diff", "entropy-diff", "argmax")
 # Huginn's defaults (KL and entropy change in nats, relative latent change, argmax stable for 5 checks).
@@ -125,14 +126,15 @@ class GenerationOptions:
 
     def _check_speculative(self, args: ModelArgs) -> None:
         """Speculative decoding: a draft shallower than the target, where a block verify is exact."""
-        if not _is_int(self.draft_steps) or not 1 <= self.draft_steps < self.num_steps:
+        num_steps = cast(int, self.num_steps)  # _check checked it before calling
+        if not _is_int(self.draft_steps) or not 1 <= self.draft_steps < num_steps:
             raise ValueError(
-                f"draft_steps must be an integer in [1, num_steps - 1 = {self.num_steps - 1}] (a draft shallower "
+                f"draft_steps must be an integer in [1, num_steps - 1 = {num_steps - 1}] (a draft shallower "
                 f"than the target), got {self.draft_steps!r}"
             )
         if not args.is_recurrent:
             raise ValueError("draft_steps needs a recurrent model; a static model has one depth")
-        if core_slots_per_block(self.kv_sharing, self.num_steps) < self.num_steps:
+        if core_slots_per_block(self.kv_sharing, num_steps) < num_steps:
             raise ValueError(
                 f"draft_steps needs kv_sharing 'full' (or compress-N with N >= num_steps), got {self.kv_sharing!r}: "
                 "with shared slots a verified block sees other iterations' K/V than token-by-token decoding"
@@ -151,10 +153,11 @@ class GenerationOptions:
 
     def next_check(self, done: int) -> int:
         """The iteration count after ``done`` at which the next exit check falls, or num_steps if none does."""
-        return next((i for i in range(done + 1, self.num_steps) if self.is_check(i)), self.num_steps)  # type: ignore[return-value]
+        num_steps = cast(int, self.num_steps)  # resolved
+        return next((i for i in range(done + 1, num_steps) if self.is_check(i)), num_steps)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -208,6 +211,7 @@ def generate(
     the logits and depths of a given continuation, decoded token by token through the cache).
     """
     opts = options.resolve(model.args)
+    assert opts.num_steps is not None  # resolved
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     check_prompts(attention_mask, opts.max_new_tokens, model.args.max_seq_len)
@@ -249,7 +253,8 @@ def generate(
         keys[:, width + t] = True
         positions = positions[:, -1:] + 1
         # Contiguous: the prompt's last state is a strided slice, which a compiled step would recompile for.
-        warm = step.state[:, -1:].contiguous() if opts.state_init == WARM_START else None
+        # A static model has no state to warm-start from.
+        warm = step.state[:, -1:].contiguous() if opts.state_init == WARM_START and step.state is not None else None
         fed = token if forced_tokens is None else forced_tokens[:, t]
         step = decoder.forward(fed[:, None], positions, keys, running=~finished, warm_state=warm)
     return GenerationOutput(
@@ -297,6 +302,7 @@ def _generate_speculative(
     row that kept fewer leaves masked holes (the attention mask hides them and positions count real
     tokens only, as with left padding), so each row computes what it computes alone.
     """
+    assert opts.num_steps is not None and opts.draft_steps is not None  # resolved, and generate's test for a draft
     bsz, width = input_ids.shape
     device = input_ids.device
     k, r = opts.lookahead, opts.num_steps
@@ -425,6 +431,7 @@ def _speculative_output(
 ) -> GenerationOutput:
     """The rows' tokens as a GenerationOutput: (B, longest) padded after a row's end with eos_id (else 0);
     every emitted token is decided at num_steps (its ``steps``); the cost is in ``speculation``."""
+    assert opts.num_steps is not None  # resolved
     longest = max(len(row.tokens) for row in rows)
     pad = opts.eos_id if opts.eos_id is not None else 0
     tokens = torch.tensor([row.tokens + [pad] * (longest - len(row.tokens)) for row in rows], device=device)
@@ -492,7 +499,7 @@ def choose_tokens(
     return torch.multinomial(token_probs(logits, temperature, top_p), 1, generator=generator)[:, 0]
 
 
-def decode_compile_options(device: torch.device) -> dict[str, bool]:
+def decode_compile_options(device: torch.device) -> dict[str, str | int | bool | Callable[..., Any]]:
     """Inductor options of the compiled decode iteration.
 
     A decoded token's iteration is a few one-row matmuls, so on a CPU the graph's Python wrapper (one
@@ -503,7 +510,7 @@ def decode_compile_options(device: torch.device) -> dict[str, bool]:
 
 
 def run_core_iterations(
-    core: torch.nn.Module,
+    core: RecurrentCore,
     state: torch.Tensor,
     injected: torch.Tensor,
     contexts: tuple[AttentionContext, ...],
@@ -516,7 +523,7 @@ def run_core_iterations(
 @dataclass
 class _Step:
     logits: torch.Tensor  # (B, n, V) next-token logits at the step's last n positions
-    state: torch.Tensor  # (B, T, d) the core's final state
+    state: torch.Tensor | None  # (B, T, d) the core's final state (None: a static model)
     steps: torch.Tensor  # (B,) iterations run at the last position
     head_calls: torch.Tensor  # (B,) coda + head evaluations
 
@@ -547,13 +554,12 @@ class _Decoder:
         """Core iterations start .. stop - 1 (0-based); a decoded token's go through the compiled unit,
         ``iterations_per_call`` at a time, when compiling (a block's shapes are its own: eager)."""
         contexts = iteration_contexts(ctx, start, stop)
+        core = cast(RecurrentCore, self.model.core)  # the core loops, which call this, run only where there is one
         if self.compiled_iterations is None or state.shape[1] > 1:
-            return self.model.core.iterate(state, injected, contexts, active)
+            return core.iterate(state, injected, contexts, active)
         per_call = self.opts.iterations_per_call
         for first in range(0, len(contexts), per_call):
-            state = self.compiled_iterations(
-                self.model.core, state, injected, contexts[first : first + per_call], active
-            )
+            state = self.compiled_iterations(core, state, injected, contexts[first : first + per_call], active)
         return state
 
     def forward(
@@ -570,11 +576,12 @@ class _Decoder:
         """running: rows still generating (None: a forward that never exits early, as the prompt's).
         num_steps: the depth (default the options'); head_positions: logits of the last this many positions."""
         bsz, device = input_ids.shape[0], input_ids.device
-        depth = self.opts.num_steps if num_steps is None else num_steps
+        depth = cast(int, self.opts.num_steps if num_steps is None else num_steps)  # the options are resolved
+        loop: _FixedDepth | _AdaptiveDepth
         if running is None or self.opts.exit_criterion is None:
             loop = _FixedDepth(self, depth, bsz, device)
         else:
-            loop = _AdaptiveDepth(self, running)  # type: ignore[assignment]
+            loop = _AdaptiveDepth(self, running)
         decoding = Decoding(
             cache=self.cache,
             position_ids=position_ids,
@@ -595,12 +602,12 @@ class _FixedDepth:
         self.decoder, self.depth = decoder, depth
         self.steps = torch.full((bsz,), depth, dtype=torch.long, device=device)
         self.head_calls = torch.ones_like(self.steps)
-        self.state = None
+        self.state: torch.Tensor | None = None
 
     def __call__(
         self, core: torch.nn.Module, state: torch.Tensor, injected: torch.Tensor, ctx: AttentionContext
     ) -> CoreResult:
-        self.state = self.decoder.iterate(0, self.depth, state, injected, ctx)  # type: ignore[assignment]
+        self.state = self.decoder.iterate(0, self.depth, state, injected, ctx)
         return CoreResult(self.state)
 
 
@@ -611,25 +618,29 @@ class _AdaptiveDepth:
         self.decoder, self.running = decoder, running
         self.steps = torch.zeros_like(running, dtype=torch.long)
         self.head_calls = torch.zeros_like(self.steps)
-        self.state = None
+        self.state: torch.Tensor | None = None
 
     def __call__(
         self, core: torch.nn.Module, state: torch.Tensor, injected: torch.Tensor, ctx: AttentionContext
     ) -> CoreResult:
         decoder, running = self.decoder, self.running
         opts, model, cache = decoder.opts, decoder.model, decoder.cache
-        criterion = ExitCriterion(opts.exit_criterion, opts.exit_threshold, state, model.args.vocab_size)
+        num_steps = cast(int, opts.num_steps)  # resolved
+        # This loop runs only with an exit criterion, whose threshold resolve filled in.
+        criterion = ExitCriterion(
+            cast(str, opts.exit_criterion), cast(float, opts.exit_threshold), state, model.args.vocab_size
+        )
         active = running.clone()
         logits = None
         done = 0
-        while done < opts.num_steps:
+        while done < num_steps:
             # The iterations up to the next check run with the same rows active: one run.
             check = opts.next_check(done)
             with cache.writes_only(active):
                 state = decoder.iterate(done, check, state, injected, ctx, active)
                 self.steps += active * (check - done)
                 done = check
-                if done == opts.num_steps:
+                if done == num_steps:
                     break
                 check_logits = None
                 if criterion.needs_logits:
@@ -647,7 +658,7 @@ class _AdaptiveDepth:
         self.head_calls += needs_final
         if bool((running & (self.steps < cache.slots_per_block)).any()):
             cache.fill_skipped(self.steps)
-        self.state = state  # type: ignore[assignment]
+        self.state = state
         return CoreResult(state, logits=logits, coda_rows=needs_final)
 
 
@@ -682,6 +693,7 @@ class ExitCriterion:
             value = (latent - self.previous).norm(dim=-1) / latent.norm(dim=-1)
             self.previous = latent
             return value < self.threshold
+        logits = cast(torch.Tensor, logits)  # every criterion but latent-diff is given the check's logits
         if self.name == "argmax":
             argmax = logits.argmax(dim=-1)
             self.stable = torch.where(argmax == self.previous, self.stable + 1, torch.zeros_like(self.stable))

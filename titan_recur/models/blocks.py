@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +59,10 @@ class AttentionContext:
 
     def at_iteration(self, iteration: int) -> AttentionContext:
         """The context of core iteration ``iteration`` (itself when no cache needs to know it)."""
-        return self if self.cache is None else dataclasses.replace(self, cache=self.cache.iteration_view(iteration))
+        if self.cache is None:
+            return self
+        # The forward's context holds the KVCache itself; only the contexts made here hold views.
+        return dataclasses.replace(self, cache=cast("KVCache", self.cache).iteration_view(iteration))
 
 
 class Attention(nn.Module):

@@ -30,12 +30,16 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.blocks import BlockSlot
+
+if TYPE_CHECKING:  # the model module builds on this one: a typing-only import, no cycle at run time
+    from titan_recur.models.model import RecurrentLM
 
 _COMPRESS = re.compile(r"compress-([1-9][0-9]*)")
 
@@ -100,9 +104,9 @@ class KVCache:
 
     @classmethod
     def for_model(
-        cls, model: torch.nn.Module, batch_size: int, capacity: int, num_steps: int, kv_sharing: str = "full"
+        cls, model: RecurrentLM, batch_size: int, capacity: int, num_steps: int, kv_sharing: str = "full"
     ) -> KVCache:
-        """A cache for ``model`` (a RecurrentLM), in its parameters' dtype and device."""
+        """A cache for ``model``, in its parameters' dtype and device."""
         a = model.args
         weight = model.embed_tokens.weight
         return cls(

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -137,8 +138,8 @@ class RecurrentCore(nn.Module):
         return nn.init.trunc_normal_(state, std=std, a=-3 * std, b=3 * std)
 
     def init_weights(self, std: float) -> None:
-        for block in self.blocks:
-            block.init_weights(std)
+        for block in self.blocks:  # TransformerBlocks, or wrappers that forward attribute access to them
+            cast(TransformerBlock, block).init_weights(std)
         if self.args.adapter_init == "identity":
             init_identity_adapter(self.adapter.weight)
         else:
@@ -252,7 +253,7 @@ class RecurrentLM(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
         decoding = decoding or Decoding()
-        tokens = input_ids if inputs_embeds is None else inputs_embeds
+        tokens = cast(torch.Tensor, input_ids if inputs_embeds is None else inputs_embeds)  # exactly one is given
         ctx = self.attention_context(tokens, attention_mask, decoding.position_ids, decoding.cache)
         x = self.embed_and_prelude(input_ids, ctx, inputs_embeds, on_hidden_state)
         result = (
@@ -262,15 +263,17 @@ class RecurrentLM(nn.Module):
         )
         cache, logits = decoding.cache, result.logits
         if result.coda_rows is None or bool(result.coda_rows.any()):
-            with nullcontext() if result.coda_rows is None else cache.writes_only(result.coda_rows):
+            # coda_rows come from a decoding core loop (adaptive exit), which runs with a cache.
+            with nullcontext() if result.coda_rows is None else cast(KVCache, cache).writes_only(result.coda_rows):
                 hidden = self.coda_and_norm(result.state, ctx, on_hidden_state)
             if labels is not None:
                 logits = self.loss(hidden, labels, loss_chunk_tokens)
             else:
                 head_from = 0 if decoding.head_positions is None else hidden.shape[1] - decoding.head_positions
                 final = self.head(hidden[:, head_from:])
-                # Rows whose exit check already gave their logits keep them.
-                logits = final if logits is None else torch.where(result.coda_rows[:, None, None], final, logits)
+                # Rows whose exit check already gave their logits keep them (a loop gives logits with coda_rows).
+                coda_rows = cast(torch.Tensor, result.coda_rows)
+                logits = final if logits is None else torch.where(coda_rows[:, None, None], final, logits)
         if cache is not None:
             cache.advance(tokens.shape[1])
         return logits  # type: ignore[return-value]
@@ -285,19 +288,18 @@ class RecurrentLM(nn.Module):
         decoding: Decoding,
     ) -> CoreResult:
         """The core's part of a forward: the fixed num_steps iterations, or the decoding's own loop."""
+        core = cast(RecurrentCore, self.core)  # forward runs the core only in a model that has one
         init = self.resolve_state_init(state_init)
         if decoding.core_loop is None and decoding.initial_state is None:
             depth = DEFAULT_BACKPROP_DEPTH if self.training and torch.is_grad_enabled() else None
             steps = resolve_num_steps(num_steps, self.args, backprop_depth=depth)
-            return CoreResult(self.core(x, ctx, steps, init, on_hidden_state))  # type: ignore[misc]
-        injected = self.core.inject(x)
-        state = decoding.initial_state if decoding.initial_state is not None else self.core.initial_state(x, init)
+            return CoreResult(core(x, ctx, steps, init, on_hidden_state))
+        injected = core.inject(x)
+        state = decoding.initial_state if decoding.initial_state is not None else core.initial_state(x, init)
         if decoding.core_loop is not None:
-            return decoding.core_loop(self.core, state, injected, ctx)
-        steps = sum(resolve_num_steps(num_steps, self.args))  # type: ignore[assignment]
-        return CoreResult(
-            self.core.iterate(state, injected, iteration_contexts(ctx, 0, steps), on_state=on_hidden_state)
-        )
+            return decoding.core_loop(core, state, injected, ctx)
+        total = sum(resolve_num_steps(num_steps, self.args))
+        return CoreResult(core.iterate(state, injected, iteration_contexts(ctx, 0, total), on_state=on_hidden_state))
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor, loss_chunk_tokens: int) -> torch.Tensor:
         """The summed next-token loss of final-norm hidden states (chunked when loss_chunk_tokens > 0)."""
@@ -370,8 +372,8 @@ class RecurrentLM(nn.Module):
         if attention_mask is not None or cache is not None:
             key_length = cache.begin(seqlen) if cache is not None else past + seqlen
             mask = build_attention_mask(attention_mask, bsz, seqlen, past, input_ids.device, key_length)
-        if cache is not None:  # additive once per step, rather than converted from bool by every attention call
-            mask = torch.zeros(mask.shape, dtype=cos.dtype, device=mask.device).masked_fill_(~mask, -math.inf)
+            if cache is not None:  # additive once per step, rather than converted from bool by every attention call
+                mask = torch.zeros(mask.shape, dtype=cos.dtype, device=mask.device).masked_fill_(~mask, -math.inf)
         return AttentionContext(cos=cos, sin=sin, mask=mask, cache=cache)
 
     def rope_inv_freq(self, device: torch.device) -> torch.Tensor:
@@ -423,8 +425,8 @@ class RecurrentLM(nn.Module):
     def init_weights(self, std: float = 0.02) -> None:
         """Random init for from-scratch runs and tests (conversions load weights instead)."""
         nn.init.normal_(self.embed_tokens.weight, std=std)
-        for block in self.once_blocks():
-            block.init_weights(std)
+        for block in self.once_blocks():  # TransformerBlocks, or wrappers that forward attribute access to them
+            cast(TransformerBlock, block).init_weights(std)
         if self.core is not None:
             self.core.init_weights(std)
         self.norm.reset_parameters()

@@ -15,7 +15,7 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any
     # On the CPU whatever the default device (the model may be built under torch.device("meta")).
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
+    if rope_type == "default" or scaling is None:  # no scaling dict: its rope_type is "default"
         return inv_freq
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])

@@ -219,7 +219,7 @@ def check_output_files(
             raise error(f"refusing to replace {path} with --force: it is not {kind}")
 
 
-def write_atomically(output: Path, write: Callable[[Path], None], *, kind: str) -> None:
+def write_atomically(output: Path, write: Callable[[Path], object], *, kind: str) -> None:
     """Build the folder beside OUTPUT, seal it (manifest of ``kind``), then swap it in by rename.
 
     On failure the partial folder is removed and OUTPUT is left as it was.
@@ -244,6 +244,9 @@ def write_atomically(output: Path, write: Callable[[Path], None], *, kind: str) 
 
 def architecture_args(model: Model) -> ModelArgs:
     """The ModelArgs of ``[model]``'s own architecture (from scratch): static unless model.shape splits it."""
+    # The config's validation requires every architecture field of a model trained from scratch.
+    assert model.n_layers is not None and model.dim is not None and model.n_heads is not None
+    assert model.vocab_size is not None and model.ffn_dim is not None
     n_prelude, n_core, n_coda = model.shape or (model.n_layers, 0, 0)
     return ModelArgs(
         vocab_size=model.vocab_size,
@@ -267,6 +270,7 @@ def resolve_model_args(model: Model) -> ModelArgs:
     if model.dim is not None:
         return architecture_args(model)
     if not path:
+        assert preset is not None  # the config's validation requires a path or a preset
         return PRESETS[preset].model_args(*shape)
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model.path {path}: no such folder (convert a model first: tools/convert_hf.py)")

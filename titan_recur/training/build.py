@@ -3,6 +3,8 @@ and the benchmarks (tools/bench_*.py), so that a benchmark measures the trainer'
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -12,6 +14,9 @@ from titan_recur.models.args import ModelArgs
 from titan_recur.models.model import RecurrentLM
 from titan_recur.storage.model_io import load_state_dict_into, read_weights
 from titan_recur.training.parallelize import mixed_precision_policy, parallelize_model
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import ValueType
 
 
 def build_model(cfg: JobConfig, args: ModelArgs, device: torch.device, mesh: DeviceMesh | None = None) -> RecurrentLM:
@@ -41,7 +46,7 @@ def load_initial_weights(model: RecurrentLM, cfg: JobConfig, args: ModelArgs) ->
     if is_rank0:
         full_state = initial_full_state(cfg, args)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=True)
-    set_model_state_dict(model, full_state, options=options)
+    set_model_state_dict(model, cast("dict[str, ValueType]", full_state), options=options)  # dict is invariant
 
 
 def initial_full_state(cfg: JobConfig, args: ModelArgs) -> dict[str, torch.Tensor]:

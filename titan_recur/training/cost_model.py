@@ -31,7 +31,7 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -456,17 +456,18 @@ class TrainingRun:
 
     def step_flops(self, step: int, convention: str) -> float:
         """FLOPs of optimizer step ``step`` (1-based, all its micro-steps)."""
+        schedule = cast(RecurrenceSchedule, self.schedule)  # used only when the model is recurrent: then given
         if convention == "paper":
             if not self.args.is_recurrent:
                 return self.tokens_per_step * paper_flops_per_token(self.args, 1)
-            mean, depth = self.schedule.mean(step), self.schedule.backprop_depth(step)
+            mean, depth = schedule.mean(step), schedule.backprop_depth(step)
             return self.tokens_per_step * paper_flops_per_token(self.args, mean, depth)
         if convention != "full":
             raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
         if not self.args.is_recurrent:
             return self.tokens_per_step * self._full_per_token((0, 0))
         tokens = self.tokens_per_step / self.micro_steps
-        return sum((tokens * self._full_per_token(self.schedule.sample(step, m)) for m in range(self.micro_steps)), 0.0)
+        return sum((tokens * self._full_per_token(schedule.sample(step, m)) for m in range(self.micro_steps)), 0.0)
 
     def cumulative_flops(self, steps: int, convention: str) -> float:
         """FLOPs after ``steps`` optimizer steps (steps 1..steps)."""
@@ -490,9 +491,10 @@ class TrainingRun:
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         cumulative = self._cumulative[convention]
-        todo: Iterable[int] = range(len(cumulative), steps + 1)
-        if convention == "full" and self.args.is_recurrent and len(todo) * self.micro_steps > REPLAY_BAR_DRAWS:
-            todo = progress(todo, desc=f"replaying the sampler ({self.micro_steps} draws/step)", unit="step")
+        remaining = range(len(cumulative), steps + 1)
+        todo: Iterable[int] = remaining
+        if convention == "full" and self.args.is_recurrent and len(remaining) * self.micro_steps > REPLAY_BAR_DRAWS:
+            todo = progress(remaining, desc=f"replaying the sampler ({self.micro_steps} draws/step)", unit="step")
         for step in todo:
             cumulative.append(cumulative[-1] + self.step_flops(step, convention))
         return cumulative

@@ -8,6 +8,7 @@ change is safe by design (``config.ALLOWED_CHANGES``: what each does is in docs/
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ def tokenizer_hash(folder: Path) -> str:
     return json.dumps({name: file_checksum(folder / name) for name in TOKENIZER_FILES if (folder / name).is_file()})
 
 
-def check_unchanged(saved: dict[str, Any], current: dict[str, Any], allowed: list[str], where: str) -> list[str]:
+def check_unchanged(saved: dict[str, Any], current: dict[str, Any], allowed: Sequence[str], where: str) -> list[str]:
     """Raise FingerprintError listing the fields that changed and are not allowed; return the allowed ones."""
     changed = [name for name in current if saved.get(name) != current[name]]
     refused = [name for name in changed if name not in allowed]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from titan_recur.config import LRScheduler, Optimizer
+from titan_recur.models.blocks import TransformerBlock
 from titan_recur.models.model import RecurrentLM
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -152,9 +153,10 @@ class Muon(torch.optim.Optimizer):
     def _nesterov_update(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """Advance the (sharded) momentum buffer; return the local shard of the Nesterov update."""
         state = self.state[p]
+        grad = cast(torch.Tensor, p.grad)  # step updates parameters with a gradient only
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-        grad, buf, momentum = local_tensor(p.grad), local_tensor(state["momentum_buffer"]), group["momentum"]
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        grad, buf, momentum = local_tensor(grad), local_tensor(state["momentum_buffer"]), group["momentum"]
         buf.lerp_(grad, 1 - momentum)
         return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
@@ -308,11 +310,12 @@ def split_params_for_muon(model: RecurrentLM) -> tuple[NamedParams, NamedParams]
     return muon, adamw
 
 
-def fused_matrix_groups(model: RecurrentLM) -> list[list[nn.Parameter]]:
+def fused_matrix_groups(model: RecurrentLM) -> list[list[torch.Tensor]]:
     """[q, k, v] and [gate, up] weights of every block: the reference's fused projections."""
-    groups: list[list[nn.Parameter]] = []
+    groups: list[list[torch.Tensor]] = []
     for block in model.blocks():
-        attn, mlp = block.self_attn, block.mlp
+        # A TransformerBlock, or a wrapper (activation checkpointing) that forwards attribute access to one.
+        attn, mlp = cast(TransformerBlock, block).self_attn, cast(TransformerBlock, block).mlp
         groups.append([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         groups.append([mlp.gate_proj.weight, mlp.up_proj.weight])
     return groups
@@ -409,7 +412,7 @@ def build_optimizers(
     fuse_qkv) on block and adapter matrices, AdamW (adamw_*) on the rest. "adamw": one AdamW over
     every parameter with the adamw_* settings, since `lr` is Muon's.
     """
-    adamw_kwargs = dict(
+    adamw_kwargs: dict[str, Any] = dict(
         lr=cfg_optimizer.adamw_lr,
         betas=tuple(cfg_optimizer.adamw_betas),
         eps=cfg_optimizer.adamw_eps,

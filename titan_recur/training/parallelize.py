@@ -11,6 +11,7 @@ Where a looped block breaks TorchTitan's assumptions:
 from __future__ import annotations
 
 import contextlib
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -68,7 +69,7 @@ def apply_fsdp(model: RecurrentLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPo
     With tied embeddings, embedding and head must share one FSDP group (a parameter may live in only
     one): both stay in the root group then.
     """
-    kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     for block in model.once_blocks():
         fully_shard(block, **kwargs)
     if model.core is not None:
@@ -76,7 +77,8 @@ def apply_fsdp(model: RecurrentLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPo
     if not model.args.tie_embeddings:
         fully_shard(model.embed_tokens, **kwargs)
         # The head's output is the last thing in forward: keep it gathered for backward.
-        fully_shard([model.norm, model.lm_head], reshard_after_forward=False, **kwargs)
+        head = cast(nn.Linear, model.lm_head)  # untied: the model has a head
+        fully_shard([model.norm, head], reshard_after_forward=False, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     set_prefetch(model)
 

@@ -258,6 +258,7 @@ def run_check(cfg: JobConfig, options: CheckOptions) -> tuple[list[str], list[st
     found = check_inputs(cfg, options.world_size)
     if found.problems:
         return [], found.problems
+    assert found.model_args is not None and found.tokenizer is not None  # no problems: both were read
     device_type = "cpu" if cfg.training.device == "cpu" else "cuda"  # "auto": the run's GPUs, not this node
     lines = plan_lines(cfg, found.model_args, options.world_size, options, device_type)
     tokenizer_path = tokenizer_folder(cfg)

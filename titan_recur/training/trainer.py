@@ -18,9 +18,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.profiler import record_function
 
 from titan_recur.config import ConfigError, JobConfig, config_to_dict, config_to_json, grad_accum_steps, parse_args
@@ -195,7 +197,11 @@ class Trainer:
         return tokenizer
 
     def _build_checkpointer(self) -> CheckpointManager:
-        states = {"model": ModelState(self.model), "train": self.progress, "schedulers": self.optimizers}
+        states: dict[str, Stateful] = {
+            "model": ModelState(self.model),
+            "train": self.progress,
+            "schedulers": self.optimizers,
+        }
         for i, optimizer in enumerate(self.optimizers.optimizers):
             states[f"optimizer_{i}"] = OptimizerState(self.model, optimizer)
         rank = self.dist.rank
@@ -533,7 +539,11 @@ def export_model(model: RecurrentLM, args: ModelArgs, folder: Path, tokenizer_fo
     """Model-only export of the trained weights as a model folder (load_model reads it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # A model's full state dict: tensors only.
+    state = cast(
+        "dict[str, torch.Tensor]",
+        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)),
+    )
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     write_atomically(folder, lambda tmp: write_model_folder(tmp, args, state, tokenizer_folder), kind="trained")
@@ -559,7 +569,8 @@ def take_dump_lock(dump: Path) -> DumpFolderLock | None:
         dist.broadcast_object_list(outcome, src=0)
         refusal = outcome[0]
     if refusal is not None:
-        refusal.said_by_rank0 = True  # the other ranks exit with its code, silently
+        # The other ranks exit with its code, silently (a marker on whichever exception it is, read by getattr).
+        refusal.said_by_rank0 = True  # type: ignore[union-attr]
         raise refusal
     return lock
 
@@ -627,13 +638,14 @@ def exit_code(err: Exception, training: bool) -> int | None:
 
 def describe_failure(err: Exception, code: int, trainer: Trainer | None, cfg: JobConfig) -> str:
     """The error line: where it happened (the step, the latest checkpoint) when the loop was running."""
-    training = trainer is not None and trainer.training
-    where = f"at step {trainer.step}" if training else "before training"
-    latest = trainer.checkpointer.latest_step() if training else None
+    running = trainer if trainer is not None and trainer.training else None
+    training = running is not None
+    where = f"at step {running.step}" if running is not None else "before training"
+    latest = running.checkpointer.latest_step() if running is not None else None
     last_good = (
         ""
-        if not training
-        else (f"; latest complete checkpoint: {'none' if latest is None else trainer.checkpointer.step_folder(latest)}")
+        if running is None
+        else (f"; latest complete checkpoint: {'none' if latest is None else running.checkpointer.step_folder(latest)}")
     )
     if code == EXIT_STALLED:
         reason = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip()).splitlines()[0]  # gloo's source location

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from titan_recur.config import JobConfig
 from titan_recur.data.loader import build_dataloader
 from titan_recur.data.tokenizer import Tokenizer
 from titan_recur.models.loss import count_labels
+from titan_recur.models.model import RecurrentLM
 
 
 def check_recurrences(recurrences: Sequence[int]) -> list[int]:
@@ -30,7 +31,7 @@ def check_recurrences(recurrences: Sequence[int]) -> list[int]:
 
 @torch.no_grad()
 def validation_loss_sums(
-    model: nn.Module,
+    model: RecurrentLM,
     batches: Iterable[dict[str, torch.Tensor]],
     recurrences: Sequence[int],
     device: torch.device | str,
@@ -76,7 +77,7 @@ class Validator:
     def __init__(self, cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_world: int, device: torch.device) -> None:
         self.cfg = cfg.validation
         t = cfg.training
-        self._loader_args = dict(
+        self._loader_args: dict[str, Any] = dict(
             cfg_data=cfg.data,
             tokenizer=tokenizer,
             seq_len=t.seq_len,
@@ -94,7 +95,7 @@ class Validator:
         return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
 
     @torch.no_grad()
-    def run(self, model: nn.Module) -> dict[int, float]:
+    def run(self, model: RecurrentLM) -> dict[int, float]:
         """{r: token-weighted mean loss} over ``validation.steps`` batches of every rank."""
         with torch.random.fork_rng(devices=[]):  # the loader's seed draw must not shift the training RNG
             batches = itertools.islice(iter(build_dataloader(**self._loader_args)), self.cfg.steps)
