@@ -124,3 +124,22 @@ def test_bench_precision_errors_are_bf16_sized():
     assert [(row[0], row[1]) for row in rows] == [("1", "fsdp"), ("1", "autocast"), ("2", "fsdp"), ("2", "autocast")]
     for row in rows:
         assert 1e-4 < float(row[2].split()[0]) < 5e-2, row
+
+
+def test_bench_data_measures_every_backend_and_the_pre_tokenized_loader():
+    """Tokenizers trained on the bundled corpus (nothing downloaded), then tokens/s of each loader path."""
+    done = subprocess.run(
+        [sys.executable, "tools/bench_data.py", "--vocab", "400", "--seconds", "0.2", "--seq-len", "64"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    rates = {
+        line.split("  ")[1].split(" (")[0].strip(): float(line.split()[-2].replace(",", ""))
+        for line in done.stdout.splitlines()
+        if line.startswith(("tokenize+pack", "pre-tokenized"))
+    }
+    assert set(rates) == {"HF tokenizers", "tiktoken", "sentencepiece", "parquet rows"}, done.stdout
+    assert all(rate > 0 for rate in rates.values()), rates
