@@ -315,7 +315,8 @@ def fused_matrix_groups(model: RecurrentLM) -> list[list[torch.Tensor]]:
     groups: list[list[torch.Tensor]] = []
     for block in model.blocks():
         # A TransformerBlock, or a wrapper (activation checkpointing) that forwards attribute access to one.
-        attn, mlp = cast(TransformerBlock, block).self_attn, cast(TransformerBlock, block).mlp
+        transformer_block = cast(TransformerBlock, block)
+        attn, mlp = transformer_block.self_attn, transformer_block.mlp
         groups.append([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         groups.append([mlp.gate_proj.weight, mlp.up_proj.weight])
     return groups
