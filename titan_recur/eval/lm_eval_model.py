@@ -36,8 +36,8 @@ class TitanRecurLM(TemplateLM):
     model's mean_recurrence), batch_size, device, dtype (float32|bfloat16), max_length, max_gen_toks,
     state_init (default: deterministic, see ModelArgs.eval_state_init; "previous" warm-starts generated
     tokens), tokenizer=FOLDER (default: the model folder); for generation: kv_sharing (full|latest|compress-N),
-    exit_criterion (kl|latent-diff|entropy-diff|argmax), exit_threshold, min_steps, check_every, compile,
-    iterations_per_call (core iterations per compiled call), draft_steps and lookahead (speculative decoding
+    exit_criterion (kl|latent-diff|entropy-diff|argmax), exit_threshold, min_steps, check_every, compile
+    (the fast decode path; default: on a GPU), iterations_per_call (core iterations per compiled piece), draft_steps and lookahead (speculative decoding
     over depth: the same greedy tokens as num_steps, docs/generation.md); unverified=true loads a model
     folder that has no manifest (storage/model_io.py).
 
@@ -63,8 +63,8 @@ class TitanRecurLM(TemplateLM):
         exit_threshold: float | None = None,
         min_steps: int = 1,
         check_every: int = 1,
-        compile: bool = False,
-        iterations_per_call: int = GenerationOptions.iterations_per_call,
+        compile: bool | None = GenerationOptions.compile,
+        iterations_per_call: int | None = GenerationOptions.iterations_per_call,
         draft_steps: int | None = None,
         lookahead: int = GenerationOptions.lookahead,
         unverified: bool = False,
@@ -92,8 +92,8 @@ class TitanRecurLM(TemplateLM):
             min_steps=int(min_steps),
             check_every=int(check_every),
             state_init=state_init,
-            compile=bool(compile),
-            iterations_per_call=int(iterations_per_call),
+            compile=None if compile is None else bool(compile),
+            iterations_per_call=None if iterations_per_call is None else int(iterations_per_call),
             draft_steps=None if draft_steps is None else int(draft_steps),
             lookahead=int(lookahead),
         )

@@ -46,6 +46,9 @@ INLINED_MODULES = (
     "titan_recur.models.loss",
     "titan_recur.training.recurrence",
     "titan_recur.models.model",
+    "titan_recur.inference.exit_criteria",
+    "titan_recur.inference.sampling",
+    "titan_recur.inference.decode_program",
     "titan_recur.inference.engine",
     "titan_recur.hf.modeling_titan_recur",
 )

@@ -283,6 +283,7 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         seed: int | None = None,
         draft_steps: int | None = None,
         lookahead: int = GenerationOptions.lookahead,
+        compile: bool | None = GenerationOptions.compile,
         **kwargs: Any,
     ) -> torch.LongTensor | ModelOutput:
         """Prompt + new tokens (B, T + N), or with ``return_dict_in_generate`` a ``TitanRecurGenerateOutput``.
@@ -293,7 +294,8 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         test-time depth knobs: num_steps (default config.num_steps, else config.mean_recurrence), kv_sharing,
         exit_criterion, exit_threshold, min_steps, check_every, state_init ("previous": warm start), draft_steps
         and lookahead (speculative decoding over depth: drafts at draft_steps, verified at num_steps, the same
-        greedy tokens as plain decoding at num_steps). Anything
+        greedy tokens as plain decoding at num_steps) and compile (the engine's fast decode path: one
+        CUDA graph per token; default on a GPU, see docs/generation.md). Anything
         else (beam search, top_k, repetition_penalty, assisted decoding, logits processors, ...) runs
         transformers' generate through ``forward`` at depth num_steps. Sampling draws from ``generator``, else
         from torch's global RNG (``torch.manual_seed``), else from ``seed`` when given.
@@ -336,6 +338,7 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             eos_id=eos_ids[0] if eos_ids else None,
             draft_steps=draft_steps,
             lookahead=lookahead,
+            compile=compile,
         )
         more_eos = torch.tensor(eos_ids[1:], dtype=torch.long, device=input_ids.device)
 

@@ -11,24 +11,25 @@ per-token iteration counts it gets alone.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeGuard, cast
+from typing import TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
 
-from titan_recur.models.args import STATE_INITS, ModelArgs
+from titan_recur.inference.decode_program import program_for
+from titan_recur.inference.exit_criteria import DEFAULT_EXIT_THRESHOLDS, EXIT_CRITERIA, ExitCriterion
+from titan_recur.inference.sampling import choose_tokens, draw_uniforms, sample_by_uniforms, token_probs
+from titan_recur.models.args import STATE_INITS, WARM_START, ModelArgs
 from titan_recur.models.blocks import AttentionContext
 from titan_recur.models.cache import KVCache, core_slots_per_block
 from titan_recur.models.model import CoreResult, Decoding, RecurrentCore, RecurrentLM, iteration_contexts
 
-EXIT_CRITERIA = ("kl", "latent-diff", "entropy-diff", "argmax")
-# Huginn's defaults (KL and entropy change in nats, relative latent change, argmax stable for 5 checks).
-DEFAULT_EXIT_THRESHOLDS = {"kl": 1e-3, "latent-diff": 0.03, "entropy-diff": 1e-3, "argmax": 5.0}
-# state_init of a decoded token that starts from the previous token's final state (continuous compute).
-WARM_START = "previous"
+# The names other modules import from the engine, which defines them elsewhere.
+__all__ = ["DEFAULT_EXIT_THRESHOLDS", "EXIT_CRITERIA", "WARM_START", "ExitCriterion", "choose_tokens", "token_probs"]
+# Fast path with an EOS: tokens between two reads of whether every row finished (each read a host sync).
+FINISH_CHECK_EVERY = 8
 
 
 @dataclass
@@ -50,11 +51,11 @@ class GenerationOptions:
     ``lookahead`` tokens at ``draft_steps`` iterations, verifies them at num_steps in one forward over
     the block, and keeps the longest prefix the target agrees with (greedy: the same tokens as plain
     decoding at num_steps; sampling: the same distribution). None = plain decoding.
-    compile: run decoded tokens' core iterations through ``torch.compile``, ``iterations_per_call`` of
-    them per compiled call (the run of iterations up to the next exit check, split into pieces of at
-    most that many): one graph per piece length, for every token (the key length is symbolic; see
-    ``decode_compile_options``). More per call means fewer calls' fixed cost per token, and a longer
-    first compile (the graph unrolls them).
+    compile: decode on the fast path (inference/decode_program.py): each token a static-shape program
+    compiled once per batch bucket and cache capacity, replayed as one CUDA graph per token on a GPU;
+    None = on a GPU yes, on a CPU no (its first compile takes a minute there). Speculative decoding
+    runs eagerly whatever it says. iterations_per_call: core iterations per compiled piece (None: 1 on
+    a GPU, 8 on a CPU; see ``default_iterations_per_call``).
     """
 
     max_new_tokens: int = 32
@@ -70,8 +71,8 @@ class GenerationOptions:
     seed: int | None = None
     generator: torch.Generator | None = None
     eos_id: int | None = None
-    compile: bool = False
-    iterations_per_call: int = 8
+    compile: bool | None = None
+    iterations_per_call: int | None = None
     draft_steps: int | None = None
     lookahead: int = 4
 
@@ -107,7 +108,9 @@ class GenerationOptions:
             )
         if not _is_int(self.check_every) or self.check_every < 1:
             raise ValueError(f"check_every must be an integer >= 1, got {self.check_every!r}")
-        if not _is_int(self.iterations_per_call) or self.iterations_per_call < 1:
+        if self.iterations_per_call is not None and (
+            not _is_int(self.iterations_per_call) or self.iterations_per_call < 1
+        ):
             raise ValueError(f"iterations_per_call must be an integer >= 1, got {self.iterations_per_call!r}")
         if self.state_init not in (*STATE_INITS, WARM_START):
             raise ValueError(
@@ -224,6 +227,9 @@ def generate(
         return _generate_speculative(model, input_ids, attention_mask, opts, generator, stop, return_logits)
     bsz, width = input_ids.shape
     device = input_ids.device
+    uniforms = draw_uniforms((opts.max_new_tokens, bsz), generator, device) if opts.temperature > 0 else None
+    if opts.compile if opts.compile is not None else device.type == "cuda":
+        return _generate_static(model, input_ids, attention_mask, opts, uniforms, stop, forced_tokens, return_logits)
     cache = KVCache.for_model(model, bsz, width + opts.max_new_tokens, opts.num_steps, opts.kv_sharing)
     # Which cache columns hold a real token: the prompt's, then each decoded one.
     keys = torch.zeros(bsz, cache.capacity, dtype=torch.bool, device=device)
@@ -237,7 +243,9 @@ def generate(
     for t in range(opts.max_new_tokens):
         if return_logits:
             logits.append(step.logits[:, -1].float())
-        token = choose_tokens(step.logits[:, -1], opts.temperature, opts.top_p, generator)
+        token = choose_tokens(
+            step.logits[:, -1], opts.temperature, opts.top_p, None if uniforms is None else uniforms[t]
+        )
         if opts.eos_id is not None:
             token = torch.where(finished, torch.full_like(token, opts.eos_id), token)
         tokens.append(token)
@@ -252,9 +260,8 @@ def generate(
             break
         keys[:, width + t] = True
         positions = positions[:, -1:] + 1
-        # Contiguous: the prompt's last state is a strided slice, which a compiled step would recompile for.
         # A static model has no state to warm-start from.
-        warm = step.state[:, -1:].contiguous() if opts.state_init == WARM_START and step.state is not None else None
+        warm = step.state[:, -1:] if opts.state_init == WARM_START and step.state is not None else None
         fed = token if forced_tokens is None else forced_tokens[:, t]
         step = decoder.forward(fed[:, None], positions, keys, running=~finished, warm_state=warm)
     return GenerationOutput(
@@ -264,6 +271,57 @@ def generate(
         lengths=lengths,
         kv_cache_bytes=cache.nbytes(),
         logits=torch.stack(logits, dim=1) if return_logits else None,
+    )
+
+
+def _generate_static(
+    model: RecurrentLM,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    opts: GenerationOptions,
+    uniforms: torch.Tensor | None,
+    stop: Callable[[torch.Tensor], torch.Tensor] | None,
+    forced_tokens: torch.Tensor | None,
+    return_logits: bool,
+) -> GenerationOutput:
+    """``generate``'s loop on the fast path (inference/decode_program.py): the prompt prefilled eagerly
+    into the program's cache, then one program step per token; the same tokens, depths and logits.
+
+    With an EOS and no ``stop``, whether every row finished is read every FINISH_CHECK_EVERY tokens
+    only (a host sync), and the tokens past the last row's end are cut off at the end.
+    """
+    bsz, width = input_ids.shape
+    program = program_for(model, opts, bsz, width + opts.max_new_tokens)
+
+    def prefill(cache: KVCache, ids: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> _Step:
+        return _Decoder(model, cache, opts).forward(ids, positions, keys)
+
+    program.prefill(input_ids, attention_mask, uniforms, prefill)
+    watch_finish = opts.eos_id is not None or stop is not None
+    tokens, steps, head_calls, logits = [], [], [], []
+    for t in range(opts.max_new_tokens):
+        tokens.append(program.token[:bsz, 0].clone())
+        steps.append(program.token_steps[:bsz].clone())
+        head_calls.append(program.token_head_calls[:bsz].clone())
+        if return_logits:
+            logits.append(program.logits[:bsz].clone())
+        if stop is not None:
+            program.finished[:bsz] |= stop(torch.stack(tokens, dim=1))
+        check_now = stop is not None or t % FINISH_CHECK_EVERY == FINISH_CHECK_EVERY - 1
+        if t == opts.max_new_tokens - 1 or (watch_finish and check_now and bool(program.finished.all())):
+            break
+        if forced_tokens is not None:
+            program.token[:bsz, 0] = forced_tokens[:, t]
+        program.step()
+    lengths = program.lengths[:bsz].clone()
+    emitted = int(lengths.max()) if watch_finish else len(tokens)
+    return GenerationOutput(
+        tokens=torch.stack(tokens[:emitted], dim=1),
+        steps=torch.stack(steps[:emitted], dim=1),
+        head_calls=torch.stack(head_calls[:emitted], dim=1),
+        lengths=lengths,
+        kv_cache_bytes=program.cache.nbytes(),
+        logits=torch.stack(logits[:emitted], dim=1) if return_logits else None,
     )
 
 
@@ -312,7 +370,12 @@ def _generate_speculative(
     real = attention_mask.long().sum(-1)  # per row: real tokens cached = the next position
     decoder = _Decoder(model, cache, opts)
     prompt = decoder.forward(input_ids, (attention_mask.long().cumsum(-1) - 1).clamp(min=0), keys)
-    last = choose_tokens(prompt.logits[:, -1], opts.temperature, opts.top_p, generator)
+
+    def choose(logits: torch.Tensor) -> torch.Tensor:
+        draws = draw_uniforms((bsz,), generator, device) if opts.temperature > 0 else None
+        return choose_tokens(logits, opts.temperature, opts.top_p, draws)
+
+    last = choose(prompt.logits[:, -1])
     rows = [_Row(opts, stop, device) for _ in range(bsz)]
     for b in range(bsz):
         rows[b].append([int(last[b])], prompt.logits[b, -1:] if return_logits else None)
@@ -326,7 +389,7 @@ def _generate_speculative(
         for i in range(drafts):
             keys[:, start + i] = True
             step = decoder.forward(fed[:, None], (real + i)[:, None], keys, num_steps=opts.draft_steps)
-            fed = choose_tokens(step.logits[:, -1], opts.temperature, opts.top_p, generator)
+            fed = choose(step.logits[:, -1])
             draft_tokens.append(fed)
             if opts.temperature > 0:
                 draft_probs.append(token_probs(step.logits[:, -1], opts.temperature, opts.top_p))
@@ -423,7 +486,7 @@ def _accept(
     residual = p[rows, accepted] - F.pad(q, (0, 0, 0, 1))[rows, accepted]  # after all n: q is 0, p_n is left
     residual = residual.clamp(min=0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[rows, accepted])
-    return accepted, torch.multinomial(residual, 1, generator=generator)[:, 0]
+    return accepted, sample_by_uniforms(residual, draw_uniforms((p.shape[0],), generator, p.device))
 
 
 def _speculative_output(
@@ -477,49 +540,6 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return input_ids, attention_mask
 
 
-def token_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """(..., V) fp32 sampling distribution of logits: the softmax at ``temperature`` (> 0), restricted to
-    the smallest set of tokens whose mass reaches ``top_p`` (always the most likely token), renormalised
-    by the sampler."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= top_p, 0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return probs
-
-
-def choose_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
-) -> torch.Tensor:
-    """(B,) next tokens from (B, V) logits: argmax at temperature 0, else a top-p sample (generator None:
-    torch's global RNG)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    return torch.multinomial(token_probs(logits, temperature, top_p), 1, generator=generator)[:, 0]
-
-
-def decode_compile_options(device: torch.device) -> dict[str, str | int | bool | Callable[..., Any]]:
-    """Inductor options of the compiled decode iteration.
-
-    A decoded token's iteration is a few one-row matmuls, so on a CPU the graph's Python wrapper (one
-    call per kernel) costs as much as its work; ``cpp_wrapper`` makes the whole graph one C++ call
-    (docs/benchmarks.md, "Generation"). On a GPU the default wrapper is kept: not measured there yet.
-    """
-    return {"cpp_wrapper": True} if torch.device(device).type == "cpu" else {}
-
-
-def run_core_iterations(
-    core: RecurrentCore,
-    state: torch.Tensor,
-    injected: torch.Tensor,
-    contexts: tuple[AttentionContext, ...],
-    active: torch.Tensor | None,
-) -> torch.Tensor:
-    """``core.iterate`` as a function of its inputs: the unit the engine compiles (see ``RecurrentCore.iterate``)."""
-    return core.iterate(state, injected, contexts, active)
-
-
 @dataclass
 class _Step:
     logits: torch.Tensor  # (B, n, V) next-token logits at the step's last n positions
@@ -535,12 +555,6 @@ class _Decoder:
     def __init__(self, model: RecurrentLM, cache: KVCache, opts: GenerationOptions) -> None:
         self.model, self.cache, self.opts = model, cache, opts
         self.prompt_init = model.args.eval_state_init if opts.state_init == WARM_START else opts.state_init
-        self.compiled_iterations = None
-        if opts.compile and model.core is not None:
-            device = model.embed_tokens.weight.device
-            self.compiled_iterations = torch.compile(
-                run_core_iterations, dynamic=True, options=decode_compile_options(device)
-            )
 
     def iterate(
         self,
@@ -551,16 +565,9 @@ class _Decoder:
         ctx: AttentionContext,
         active: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Core iterations start .. stop - 1 (0-based); a decoded token's go through the compiled unit,
-        ``iterations_per_call`` at a time, when compiling (a block's shapes are its own: eager)."""
-        contexts = iteration_contexts(ctx, start, stop)
+        """Core iterations start .. stop - 1 (0-based)."""
         core = cast(RecurrentCore, self.model.core)  # the core loops, which call this, run only where there is one
-        if self.compiled_iterations is None or state.shape[1] > 1:
-            return core.iterate(state, injected, contexts, active)
-        per_call = self.opts.iterations_per_call
-        for first in range(0, len(contexts), per_call):
-            state = self.compiled_iterations(core, state, injected, contexts[first : first + per_call], active)
-        return state
+        return core.iterate(state, injected, iteration_contexts(ctx, start, stop), active)
 
     def forward(
         self,
@@ -660,51 +667,3 @@ class _AdaptiveDepth:
             cache.fill_skipped(self.steps)
         self.state = state
         return CoreResult(state, logits=logits, coda_rows=needs_final)
-
-
-class ExitCriterion:
-    """Per-row exit test of adaptive depth: each check compares with the previous check (Huginn's rules).
-
-    kl: KL(p_prev || p_i) of the next-token distributions (p_prev uniform before the first check);
-    latent-diff: ||s_i - s_prev|| / ||s_i|| (s_prev = the initial state before the first check);
-    entropy-diff: |H(p_i) - H(p_prev)| (no exit at the first check); argmax: number of consecutive
-    checks at which the argmax did not change. A row exits when its value is below the threshold
-    (argmax: reaches it). All but latent-diff need the logits of the check: one coda + head call.
-    """
-
-    def __init__(self, name: str, threshold: float, initial_state: torch.Tensor, vocab_size: int) -> None:
-        self.name, self.threshold = name, threshold
-        self.needs_logits = name != "latent-diff"
-        bsz, device = initial_state.shape[0], initial_state.device
-        if name == "latent-diff":
-            self.previous = initial_state[:, -1].float()
-        elif name == "kl":
-            self.previous = torch.full((bsz, vocab_size), -math.log(vocab_size), device=device)
-        elif name == "entropy-diff":
-            self.previous = torch.full((bsz,), math.inf, device=device)
-        else:
-            self.previous = torch.full((bsz,), -1, dtype=torch.long, device=device)
-            self.stable = torch.zeros(bsz, dtype=torch.long, device=device)
-
-    def exits(self, state: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
-        """(B,) bool: rows whose criterion is met at this check."""
-        if self.name == "latent-diff":
-            latent = state[:, -1].float()
-            value = (latent - self.previous).norm(dim=-1) / latent.norm(dim=-1)
-            self.previous = latent
-            return value < self.threshold
-        logits = cast(torch.Tensor, logits)  # every criterion but latent-diff is given the check's logits
-        if self.name == "argmax":
-            argmax = logits.argmax(dim=-1)
-            self.stable = torch.where(argmax == self.previous, self.stable + 1, torch.zeros_like(self.stable))
-            self.previous = argmax
-            return self.stable >= self.threshold
-        log_probs = F.log_softmax(logits.float(), dim=-1)
-        if self.name == "kl":
-            value = (self.previous.exp() * (self.previous - log_probs)).sum(dim=-1)
-            self.previous = log_probs
-        else:
-            entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
-            value = (entropy - self.previous).abs()
-            self.previous = entropy
-        return value < self.threshold

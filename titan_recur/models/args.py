@@ -9,6 +9,8 @@ from typing import Any
 
 BLOCK_TYPES = ("llama", "olmo2")
 STATE_INITS = ("normal", "zero", "embed")
+# state_init of a decoded token that starts from the previous token's final state (continuous compute).
+WARM_START = "previous"
 ADAPTER_INITS = ("identity", "random")
 
 # The depth sampler's defaults (training/recurrence.py); the reference seeds it with 514229 + step.

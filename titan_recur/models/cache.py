@@ -153,6 +153,19 @@ class KVCache:
         self.key_length = end
         return self.key_length
 
+    def reset(self) -> None:
+        """Empty the cache for a new generation in the same buffers: every write full-width again."""
+        self.length = self.key_length = 0
+        self.write_rows = None
+
+    def pin(self, column: torch.Tensor, write_rows: torch.Tensor | None = None) -> None:
+        """Static decoding (inference/decode_program.py): every write goes to the device tensor ``column``
+        (1,), masked by ``write_rows`` (B,) where given, and attention reads the whole capacity, so a
+        decoded token's shapes never change; the caller's key mask hides the columns not yet written."""
+        self.write_index = column
+        self.write_rows = write_rows
+        self.key_length = self.capacity
+
     def advance(self, seqlen: int) -> None:
         """Mark the step's ``seqlen`` columns written: the next step writes after them."""
         self.length += seqlen

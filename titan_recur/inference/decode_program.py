@@ -1,0 +1,406 @@
+"""The fast decode path: a decoded token as one static-shape program (docs/generation.md, "Fast path").
+
+Why: at depth r a token is P + r x R + C blocks of small kernels; launched one by one from Python, a
+GPU runs them at a few percent of its memory bandwidth. Here a token's shapes never change: attention
+reads the cache's whole capacity under an additive key mask, and the token, its position, the mask,
+the column it writes and the sampler's draw are device tensors that the program updates in place.
+So its pieces (enter: embed + prelude; runs of core iterations; an exit check; leave: coda + head +
+token choice) compile once, ``fullgraph=True`` (no graph break, hence no host sync inside), per batch
+bucket, capacity and options, and on a GPU a token's pieces are captured as one CUDA graph
+(``torch.cuda.CUDAGraph`` around the compiled pieces) that every token replays: one launch per token.
+Adaptive exit cuts a token into segments at its checks: one graph each and one host sync per check
+(whether any row still runs). The prompt is prefilled by the eager path into the program's cache.
+
+Why pieces and not one compiled token: a graph that unrolls r iterations compiles for minutes at
+r = 32; a captured CUDA graph of the pieces launches as one, whatever r is, and compiles the core
+iteration once (``iterations_per_call`` of them per piece: on a CPU, where nothing is captured, more per
+piece means fewer calls per token).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+from weakref import WeakKeyDictionary
+
+import torch
+
+from titan_recur.inference.exit_criteria import ExitCriterion
+from titan_recur.inference.sampling import choose_tokens
+from titan_recur.models.args import WARM_START
+from titan_recur.models.blocks import AttentionContext
+from titan_recur.models.cache import KVCache
+from titan_recur.models.model import RecurrentCore, RecurrentLM, iteration_contexts
+from titan_recur.models.rope import rope_cos_sin
+
+if TYPE_CHECKING:  # the engine builds on this module: typing-only, no cycle at run time
+    from titan_recur.inference.engine import GenerationOptions
+
+LOG = logging.getLogger(__name__)
+# Batch rows a program is built for: a batch is padded up to the next bucket with rows nobody reads.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Cache columns are allocated in multiples of this (capped at max_seq_len), so prompts and token counts
+# of similar size share a program.
+CAPACITY_STEP = 128
+# Programs kept per model (each holds its KV cache); the least recently used one is dropped beyond.
+MAX_PROGRAMS = 4
+# Options that never reach a token's graph: a program serves every value of these.
+RUN_ONLY_OPTIONS = ("max_new_tokens", "seed", "generator", "compile", "draft_steps", "lookahead")
+
+
+def batch_bucket(rows: int) -> int:
+    """The smallest bucket holding ``rows`` (beyond the largest: the next multiple of it)."""
+    largest = BATCH_BUCKETS[-1]
+    return next((b for b in BATCH_BUCKETS if b >= rows), -(-rows // largest) * largest)
+
+
+def capacity_bucket(columns: int, max_seq_len: int) -> int:
+    """Cache columns for ``columns`` needed: the next multiple of CAPACITY_STEP, capped at max_seq_len."""
+    return max(columns, min(-(-columns // CAPACITY_STEP) * CAPACITY_STEP, max_seq_len))
+
+
+def decode_compile_options(device: torch.device) -> dict[str, Any]:
+    """Inductor options of the compiled pieces.
+
+    A decoded token's piece is a few one-row matmuls, so on a CPU the graph's Python wrapper (one call
+    per kernel) costs as much as its work; ``cpp_wrapper`` makes the whole graph one C++ call
+    (docs/benchmarks.md, "Generation"). On a GPU the CUDA graph replaces every wrapper call.
+    """
+    return {"cpp_wrapper": True} if torch.device(device).type == "cpu" else {}
+
+
+def default_iterations_per_call(device: torch.device) -> int:
+    """Core iterations per compiled piece when the options leave it open: 1 on a GPU (the CUDA graph
+    launches the token as one whatever the piece count, and one iteration compiles fastest), 8 on a CPU
+    (each call costs guards and a wrapper, so fewer calls per token)."""
+    return 1 if torch.device(device).type == "cuda" else 8
+
+
+def run_core_piece(
+    core: RecurrentCore,
+    state: torch.Tensor,
+    injected: torch.Tensor,
+    contexts: tuple[AttentionContext, ...],
+    active: torch.Tensor | None,
+) -> None:
+    """``len(contexts)`` core iterations of the token, the state updated in place: a compiled piece.
+    Iteration indices never enter it, only same-shaped cache views, so one graph serves every run of
+    that length."""
+    state.copy_(core.iterate(state, injected, contexts, active))
+
+
+class DecodeProgram:
+    """One (batch bucket, capacity, options) of static decoding: its cache, its static buffers, its
+    compiled pieces and, on a GPU, its captured graphs. ``prefill`` starts a generation, ``token``
+    decodes one; ``warmup_seconds`` is what building it took (compiles and captures)."""
+
+    def __init__(self, model: RecurrentLM, opts: GenerationOptions, rows: int, capacity: int) -> None:
+        start = time.perf_counter()
+        self.model, self.opts, self.rows = model, opts, rows
+        args, weight = model.args, model.embed_tokens.weight
+        device, dtype = weight.device, weight.dtype
+        self.num_steps = cast(int, opts.num_steps)  # resolved
+        self.cache = KVCache.for_model(model, rows, capacity, self.num_steps, opts.kv_sharing)
+        zeros = functools.partial(torch.zeros, device=device)
+        self.token = zeros(rows, 1, dtype=torch.long)  # the token the next forward reads
+        self.position = zeros(rows, 1, dtype=torch.long)
+        self.column = zeros(1, dtype=torch.long)  # the cache column the next forward writes
+        self.counter = zeros((), dtype=torch.long)  # new tokens chosen so far: indexes the draws
+        self.key_bias = torch.full((rows, 1, 1, capacity), -math.inf, dtype=dtype, device=device)
+        self.uniforms = zeros(capacity, rows)  # the sampler's draw for each new token
+        self.finished = zeros(rows, dtype=torch.bool)
+        self.lengths = zeros(rows, dtype=torch.long)
+        self.logits = zeros(rows, args.vocab_size)  # fp32 logits of the latest chosen token
+        self.steps = zeros(rows, dtype=torch.long)  # iterations of the latest forward
+        self.head_calls = zeros(rows, dtype=torch.long)
+        self.token_steps = zeros(rows, dtype=torch.long)  # the chosen token's: 0 once its row finished
+        self.token_head_calls = zeros(rows, dtype=torch.long)
+        self.state = zeros(rows, 1, args.dim, dtype=dtype)  # the core's state (a static model: the prelude's)
+        self.injected = zeros(rows, 1, args.dim, dtype=dtype)
+        self.warm_start = opts.state_init == WARM_START and model.core is not None
+        self.state_init = args.eval_state_init if opts.state_init == WARM_START else cast(str, opts.state_init)
+        self.inv_freq = model.rope_inv_freq(device)
+        rope = zeros(rows, 1, args.head_dim, dtype=dtype)
+        self.ctx = AttentionContext(cos=rope, sin=rope.clone(), mask=self.key_bias, cache=self.cache)
+        self.contexts = iteration_contexts(self.ctx, 0, self.num_steps) if model.core is not None else ()
+        self.adaptive = opts.exit_criterion is not None
+        self.criterion: ExitCriterion | None = None
+        self.active = self.write_rows = None
+        if self.adaptive:
+            self.active = zeros(rows, dtype=torch.bool)
+            self.write_rows = zeros(rows, dtype=torch.bool)  # the cache's row mask while the program runs
+            self.kept_logits = zeros(rows, 1, args.vocab_size, dtype=dtype)  # logits of each row's exit check
+            self.criterion = ExitCriterion(
+                cast(str, opts.exit_criterion), cast(float, opts.exit_threshold), self.state, args.vocab_size
+            )
+        per_call = opts.iterations_per_call or default_iterations_per_call(device)
+        compile_ = functools.partial(
+            torch.compile, fullgraph=True, dynamic=False, options=decode_compile_options(device)
+        )
+        self._enter, self._check, self._leave = (
+            compile_(_decode_enter),
+            compile_(_decode_check),
+            compile_(_decode_leave),
+        )
+        self._core_piece = compile_(run_core_piece)
+        self.segments = self._segments(per_call)
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self._warm_up()
+        self.warmup_seconds = time.perf_counter() - start
+
+    def describe(self) -> str:
+        """What the program was built for, in one line."""
+        opts = self.opts
+        exit_ = f", exit {opts.exit_criterion}" if self.adaptive else ""
+        graphs = f"{len(self.graphs)} CUDA graph(s)" if self.graphs else "no CUDA graph (CPU)"
+        return (
+            f"batch bucket {self.rows}, cache capacity {self.cache.capacity}, r = {self.num_steps}, kv {opts.kv_sharing}"
+            f"{exit_}, {len(self.segments)} segment(s), {graphs}"
+        )
+
+    # --- building ---------------------------------------------------------------------------------
+
+    def _segments(self, per_call: int) -> list[list[Callable[[], None]]]:
+        """A token as segments of calls with no host sync inside: fixed depth is one segment; adaptive
+        exit ends a segment at every check, then runs the rest of the iterations, then leaves (the last
+        segment, which a token whose rows all exited jumps to)."""
+        calls: list[Callable[[], None]] = [functools.partial(self._enter, self)]
+        if self.model.core is None:
+            return [[*calls, functools.partial(self._leave, self)]]
+        if not self.adaptive:
+            return [[*calls, *self._runs(0, self.num_steps, per_call), functools.partial(self._leave, self)]]
+        segments, done = [], 0
+        while done < self.num_steps:
+            check = self.opts.next_check(done)
+            calls += self._runs(done, check, per_call)
+            calls.append(functools.partial(self._count, check - done))
+            if check < self.num_steps:  # the first check keeps every row's logits, later ones the active rows'
+                calls.append(functools.partial(self._check, self, not segments))
+            segments.append(calls)
+            calls, done = [], check
+        return [*segments, [functools.partial(self._leave, self)]]
+
+    def _runs(self, start: int, stop: int, per_call: int) -> list[Callable[[], None]]:
+        """Iterations start .. stop - 1 in pieces of at most ``per_call``."""
+        core = cast(RecurrentCore, self.model.core)
+        return [
+            functools.partial(
+                self._core_piece,
+                core,
+                self.state,
+                self.injected,
+                self.contexts[i : min(i + per_call, stop)],
+                self.active,
+            )
+            for i in range(start, stop, per_call)
+        ]
+
+    def _count(self, iterations: int) -> None:
+        """Adaptive exit: the rows still active ran ``iterations`` more (a captured op, not a compiled one)."""
+        self.steps.add_(cast(torch.Tensor, self.active), alpha=iterations)
+
+    def _warm_up(self) -> None:
+        """Run every segment once on an empty cache (compiling each piece) and, on a GPU, capture each
+        segment as a CUDA graph. Nothing of it survives ``prefill``, which resets every buffer it read."""
+        self.cache.pin(self.column, self.write_rows)
+        self.key_bias.fill_(-math.inf)
+        if self.key_bias.device.type != "cuda":
+            for segment in self.segments:
+                _run_decode_calls(segment)
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for segment in self.segments:
+                _run_decode_calls(segment)
+        torch.cuda.current_stream().wait_stream(stream)
+        pool = torch.cuda.graph_pool_handle()
+        for segment in self.segments:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                _run_decode_calls(segment)
+            self.graphs.append(graph)
+
+    # --- running ----------------------------------------------------------------------------------
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        uniforms: torch.Tensor | None,
+        forward: Callable[[KVCache, torch.Tensor, torch.Tensor, torch.Tensor], Any],
+    ) -> None:
+        """Start a generation: the rows' left-padded prompts (B <= rows) through ``forward`` (the eager
+        path: cache, ids, positions, key mask -> a step with logits, state, steps, head_calls), then the
+        first token chosen. Rows past B are padding: one token, finished from the start."""
+        bsz, width = input_ids.shape
+        rows, device = self.rows, input_ids.device
+        ids = torch.zeros(rows, width, dtype=torch.long, device=device)
+        ids[:bsz] = input_ids
+        mask = torch.zeros(rows, width, dtype=torch.bool, device=device)
+        mask[:bsz], mask[bsz:, -1] = attention_mask.bool(), True
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        keys = torch.zeros(rows, self.cache.capacity, dtype=torch.bool, device=device)
+        keys[:, :width] = mask
+        self.cache.reset()
+        step = forward(self.cache, ids, positions, keys)
+        self.cache.pin(self.column, self.write_rows)
+        self.key_bias.fill_(-math.inf).masked_fill_(keys[:, None, None, :], 0.0)
+        self.position.copy_(positions[:, -1:])
+        self.column.fill_(width - 1)
+        self.counter.zero_()
+        self.uniforms.zero_()
+        if uniforms is not None:
+            self.uniforms[: uniforms.shape[0], :bsz] = uniforms
+        self.finished.zero_()
+        self.finished[bsz:] = True
+        self.lengths.zero_()
+        if self.warm_start:
+            self.state.copy_(step.state[:, -1:])
+        self.steps.copy_(step.steps)
+        self.head_calls.copy_(step.head_calls)
+        _decode_choose(self, step.logits[:, -1:])
+
+    def step(self) -> None:
+        """Decode one token: the forward of ``self.token`` and the choice of the next. Adaptive exit
+        reads after each check whether a row still runs (the one host sync), else leaves at once."""
+        leave = len(self.segments) - 1
+        for index in range(leave):
+            self._run_segment(index)
+            if self.adaptive and index < leave - 1 and not bool(cast(torch.Tensor, self.active).any()):
+                break
+        self._run_segment(leave)
+
+    def _run_segment(self, index: int) -> None:
+        if self.graphs:
+            self.graphs[index].replay()
+        else:
+            _run_decode_calls(self.segments[index])
+
+
+def _run_decode_calls(calls: list[Callable[[], None]]) -> None:
+    for call in calls:
+        call()
+
+
+def _decode_enter(p: DecodeProgram) -> None:
+    """Embed and prelude of ``p.token``; the core's injection and initial state (a compiled piece)."""
+    model = p.model
+    p.key_bias.index_fill_(-1, p.column, 0.0)  # the token's own column: written now, seen from now on
+    if p.adaptive:  # prelude writes are every row's; the core's only the active rows'
+        cast(torch.Tensor, p.write_rows).fill_(True)
+    cos, sin = rope_cos_sin(p.position, p.inv_freq, p.key_bias.dtype)
+    p.ctx.cos.copy_(cos)
+    p.ctx.sin.copy_(sin)
+    x = model.embed_and_prelude(p.token, p.ctx)
+    if model.core is None:
+        p.state.copy_(x)
+        return
+    p.injected.copy_(model.core.inject(x))
+    if not p.warm_start:
+        p.state.copy_(model.core.initial_state(x, p.state_init))
+    if p.adaptive:
+        active = cast(torch.Tensor, p.active)
+        active.copy_(~p.finished)
+        cast(torch.Tensor, p.write_rows).copy_(active)
+        p.steps.zero_()
+        p.head_calls.zero_()
+        cast(ExitCriterion, p.criterion).reset(p.state)
+
+
+def _decode_check(p: DecodeProgram, first: bool) -> None:
+    """An exit check (adaptive depth), as the eager engine's: the criterion of each active row, the
+    logits of the check kept per row, and the rows that exit frozen (a compiled piece)."""
+    model, criterion = p.model, cast(ExitCriterion, p.criterion)
+    active = cast(torch.Tensor, p.active)
+    logits = None
+    if criterion.needs_logits:
+        check_logits = model.head(model.coda_and_norm(p.state, p.ctx))
+        p.head_calls.add_(active)
+        kept = check_logits if first else torch.where(active[:, None, None], check_logits, p.kept_logits)
+        p.kept_logits.copy_(kept)
+        logits = check_logits[:, -1]
+    active.copy_(active & ~criterion.exits(p.state, logits))
+    cast(torch.Tensor, p.write_rows).copy_(active)
+
+
+def _decode_leave(p: DecodeProgram) -> None:
+    """Coda, head and the choice of the next token (a compiled piece)."""
+    model = p.model
+    if model.core is None:
+        p.steps.zero_()
+        p.head_calls.fill_(1)
+        _decode_choose(p, model.head(model.coda_and_norm(p.state, p.ctx)))
+        return
+    if not p.adaptive:
+        p.steps.fill_(p.num_steps)
+        p.head_calls.fill_(1)
+        _decode_choose(p, model.head(model.coda_and_norm(p.state, p.ctx)))
+        return
+    criterion = cast(ExitCriterion, p.criterion)
+    running = ~p.finished
+    coda_rows = cast(torch.Tensor, p.active) if criterion.needs_logits else running
+    p.head_calls.add_(coda_rows)
+    # Slots a running row did not reach hold its last K/V (KVCache.fill_skipped), as eager decoding
+    # leaves them; where no running row stopped short, nothing is copied (steps of n copy nothing).
+    slots = p.cache.slots_per_block
+    short = (running & (p.steps < slots)).any()
+    p.cache.fill_skipped(torch.where(short, p.steps, torch.full_like(p.steps, slots)))
+    cast(torch.Tensor, p.write_rows).copy_(coda_rows)
+    final = model.head(model.coda_and_norm(p.state, p.ctx))
+    _decode_choose(p, torch.where(coda_rows[:, None, None], final, p.kept_logits) if criterion.needs_logits else final)
+
+
+def _decode_choose(p: DecodeProgram, logits: torch.Tensor) -> None:
+    """The next token from the forward's (rows, 1, V) logits, as the eager engine chooses it (EOS once
+    finished, lengths counted); then the write head moves one column on."""
+    opts = p.opts
+    last = logits[:, -1]
+    p.logits.copy_(last.float())
+    draw = p.uniforms.index_select(0, p.counter[None])[0]
+    token = choose_tokens(last, opts.temperature, opts.top_p, draw)
+    if opts.eos_id is not None:
+        token = torch.where(p.finished, torch.full_like(token, opts.eos_id), token)
+    p.token_steps.copy_(p.steps.masked_fill(p.finished, 0))
+    p.token_head_calls.copy_(p.head_calls.masked_fill(p.finished, 0))
+    p.lengths.add_(~p.finished)
+    if opts.eos_id is not None:
+        p.finished.copy_(p.finished | (token == opts.eos_id))
+    p.token.copy_(token[:, None])
+    p.position.add_(1)
+    p.column.add_(1)
+    p.counter.add_(1)
+
+
+_DECODE_PROGRAMS: WeakKeyDictionary[RecurrentLM, OrderedDict[tuple[Any, ...], DecodeProgram]] = WeakKeyDictionary()
+
+
+def program_for(model: RecurrentLM, opts: GenerationOptions, batch_size: int, columns: int) -> DecodeProgram:
+    """The model's program for a batch of ``batch_size`` rows needing ``columns`` cache columns at
+    ``opts``, built if none fits (logged with its warm-up seconds): one per (bucket, graph options),
+    kept while its capacity suffices; at most MAX_PROGRAMS per model, the least recently used dropped."""
+    programs = _DECODE_PROGRAMS.setdefault(model, OrderedDict())
+    rows = batch_bucket(batch_size)
+    graph_options = tuple(getattr(opts, name) for name in opts.__dataclass_fields__ if name not in RUN_ONLY_OPTIONS)
+    key = (rows, model.training, model.embed_tokens.weight.dtype, graph_options)
+    program = programs.get(key)
+    built = program is None or program.cache.capacity < columns
+    if built:
+        programs.pop(key, None)  # its cache is freed before the larger one is allocated
+        program = DecodeProgram(model, opts, rows, capacity_bucket(columns, model.args.max_seq_len))
+        programs[key] = program
+        while len(programs) > MAX_PROGRAMS:
+            programs.popitem(last=False)
+        LOG.info("decode program built in %.1f s: %s", program.warmup_seconds, program.describe())
+    programs.move_to_end(key)
+    return cast(DecodeProgram, program)
+
+
+def release_programs(model: RecurrentLM) -> None:
+    """Free the model's decode programs (their caches and graphs), e.g. before training it again."""
+    _DECODE_PROGRAMS.pop(model, None)

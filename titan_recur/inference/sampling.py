@@ -1,0 +1,48 @@
+"""The token choice of every decoding path: argmax, or a top-p sample picked by a uniform draw.
+
+The draws are tensors made before decoding, so the choice holds no RNG call: a compiled or captured
+decode step can make it, and eager and compiled decoding pick the same tokens from the same seed.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+
+
+def token_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """(..., V) fp32 sampling distribution of logits: the softmax at ``temperature`` (> 0), restricted to
+    the smallest set of tokens whose mass reaches ``top_p`` (always the most likely token), renormalised
+    by the sampler."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= top_p, 0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return probs
+
+
+def choose_tokens(
+    logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor | None
+) -> torch.Tensor:
+    """(B,) next tokens from (B, V) logits: argmax at temperature 0, else the top-p sample that the
+    uniform draws (B,) in [0, 1) pick (``sample_by_uniforms``)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    return sample_by_uniforms(token_probs(logits, temperature, top_p), cast(torch.Tensor, uniforms))
+
+
+def sample_by_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """(B,) samples of the (B, V) unnormalised distributions by inverse CDF: the first token whose
+    cumulative mass exceeds ``uniforms`` (B,) x total. The draws are tensors made before decoding, so
+    the choice has no RNG call inside a compiled or captured step, and eager and compiled decoding
+    pick the same tokens from the same seed. A token of mass 0 is never picked (u < 1)."""
+    cdf = probs.cumsum(dim=-1)
+    target = uniforms[:, None].to(cdf.dtype) * cdf[:, -1:]
+    return (cdf <= target).sum(dim=-1).clamp(max=probs.shape[-1] - 1)
+
+
+def draw_uniforms(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """fp32 uniforms in [0, 1) for the sampler, from ``generator`` (None: torch's global RNG)."""
+    return torch.rand(shape, generator=generator, device=device)
