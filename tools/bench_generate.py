@@ -5,11 +5,19 @@ prompt on a random model (default (P,R,C) = (1,2,1), d 256, 4 heads (2 KV), FFN 
 fp32), by
 - ``cat``: the decoder before the engine (kept here only, for comparison): K/V per (block, iteration)
   grown with ``torch.cat`` at every token, the attention mask grown the same way;
-- ``full``, ``latest``: the engine with its preallocated cache; ``--compile`` adds ``full+compile`` and
-  ``latest+compile`` (decoded tokens' core iterations compiled, --iterations-per-call per call).
+- ``full``, ``latest``: the engine with its preallocated cache, eager; ``--compile`` adds ``full+compile``
+  and ``latest+compile``: the fast decode path (inference/decode_program.py; one CUDA graph per token
+  on a GPU).
 tokens/s counts new tokens of the whole batch (prompt included in the time) per second of wall time
 and per CPU second of this process (on a GPU use wall). Each configuration is warmed up on the same
-shapes (stopping after 4 tokens), then timed in --rounds interleaved rounds (medians; see run_speed).
+shapes (stopping after 4 tokens; its seconds are the "warm-up s" column: compiling, for the fast
+path), then timed in --rounds interleaved rounds (medians; see run_speed). "bound tokens/s" is what
+the memory bandwidth allows: the weights and K/V one step must read (``decode_bytes``, at the mean
+context) over the measured copy bandwidth; "% of bound" is the engine's share of it.
+
+check: the fast path's logits against eager decoding's in --dtype (teacher-forced with eager's greedy
+tokens): the largest difference and the argmax agreement; on a GPU also the token steps under
+``torch.cuda.set_sync_debug_mode("error")``.
 
 memory: the KV-cache bytes the engine allocates (KVCache.planned_bytes, no model built) for a source
 preset's retrofit, per kv_sharing mode and r.
@@ -21,7 +29,10 @@ with "full" at r, and mean core iterations per decoded token, for full at lower 
 
     OMP_NUM_THREADS=1 python tools/bench_generate.py speed
     python tools/bench_generate.py speed --device cuda --dtype bfloat16 --dim 2048 --heads 32 --kv-heads 8 \\
-        --ffn 8192 --vocab 128256 --shape 4,6,4 --batch-sizes 1,8,32 --prompt-len 512 --compile
+        --ffn 8192 --vocab 128256 --shape 4,6,4 --batch-sizes 1,8,64 --recurrences 32 --prompt-len 32 \\
+        --new-tokens 128 --engines full --compile
+    python tools/bench_generate.py check --device cuda --dim 2048 --heads 32 --kv-heads 8 --ffn 8192 \\
+        --vocab 128256 --shape 4,6,4
     python tools/bench_generate.py memory --preset llama3.2-1b --shape 4,6,4 --tokens 2048
     OMP_NUM_THREADS=1 python tools/bench_generate.py quality --checkpoint outputs/demo/run/final_model \\
         --config train_configs/debug_model.toml --num-steps 16 --lower-steps 1,2,4,8
@@ -55,17 +66,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from bench_models import add_shape_arguments, random_model, shape_model_args  # a sibling: tools/ is sys.path[0]
 
 from titan_recur import RecurrentLM
+from titan_recur.inference.decode_program import DecodeProgram
 from titan_recur.inference.engine import GenerationOptions, generate
 from titan_recur.models.model import Decoding
 
@@ -133,6 +148,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=GenerationOptions.iterations_per_call,
         help="core iterations per compiled call (GenerationOptions.iterations_per_call)",
     )
+
+    check = commands.add_parser("check", help="logits of the fast decode path vs eager (and host syncs on a GPU)")
+    check.add_argument("--device", default="cpu")
+    check.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_shape_arguments(check)
+    check.add_argument("--batch-size", type=int, default=2)
+    check.add_argument("--recurrences", default="4,32")
+    check.add_argument("--prompt-len", type=int, default=32)
+    check.add_argument("--new-tokens", type=int, default=32)
 
     memory = commands.add_parser("memory", help="KV-cache bytes of a source preset's retrofit per mode and r")
     memory.add_argument("--preset", default="llama3.2-1b", help="source preset (titan_recur.models.args.PRESETS)")
@@ -224,20 +248,56 @@ def time_run(run, new_tokens: int, device: str) -> tuple[float, float, int]:
     return time.perf_counter() - wall, time.process_time() - cpu, nbytes
 
 
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted), best of 5: the memory bandwidth the
+    decode bound divides by."""
+    source = torch.empty(2**26 if device.startswith("cuda") else 2**24, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = math.inf
+    for _ in range(5):
+        synchronize(device)
+        began = time.perf_counter()
+        target.copy_(source)
+        synchronize(device)
+        best = min(best, time.perf_counter() - began)
+    return 2 * source.numel() * source.element_size() / best
+
+
+def decode_bytes(model: RecurrentLM, r: int, batch: int, context: int) -> int:
+    """Bytes one decode step must read at least: every weight a token runs through (the once-run blocks,
+    the norm and head once, the core blocks and adapter r times; rows share them), plus each row's K/V
+    of every attention it runs over ``context`` cached tokens."""
+    a = model.args
+    element = model.embed_tokens.weight.element_size()
+    once = [*model.once_blocks(), model.norm]
+    per_iteration = [] if model.core is None else [*model.core.blocks, model.core.adapter]
+    weights = sum(p.numel() for m in once for p in m.parameters()) + model.head_weight().numel()
+    weights += r * sum(p.numel() for m in per_iteration for p in m.parameters())
+    attentions = a.n_prelude + a.n_coda + (r * a.n_core if model.core is not None else 0)
+    kv = attentions * 2 * a.n_kv_heads * a.head_dim * context
+    return (weights + batch * kv) * element
+
+
 def run_speed(args: argparse.Namespace) -> None:
-    """Every engine warmed up (a run stopping at 4 tokens), then --rounds rounds timing each engine once in
-    turn; per engine the median over rounds of tokens/s and of its ratio to ``cat`` in the same round, so
-    a slow drift of a shared machine's speed cancels out of the ratios."""
+    """Every engine warmed up (a run stopping at 4 tokens, timed: the compile of a compiled engine), then
+    --rounds rounds timing each engine once in turn; per engine the median over rounds of tokens/s and of
+    its ratio to ``cat`` in the same round, so a slow drift of a shared machine's speed cancels out of the
+    ratios. The bound: batch tokens per (``decode_bytes`` at the mean context / copy bandwidth)."""
     model = build_model(args)
     engines = args.engines.split(",")
+    bandwidth = copy_bandwidth(args.device)
     print(
         f"# {args.shape} d={args.dim} heads={args.heads}/{args.kv_heads} ffn={args.ffn} vocab={args.vocab} "
         f"{args.dtype} {args.device}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-        f"threads={torch.get_num_threads()}, median of {args.rounds} rounds"
-        + (f", {args.iterations_per_call} iterations per compiled call" if args.compile else "")
+        f"threads={torch.get_num_threads()}, median of {args.rounds} rounds, copy bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s" + (", +compile: the fast decode path" if args.compile else "")
     )
-    print("| batch | r | engine | tokens/s (wall) | tokens/s (CPU s) | vs cat (wall) | vs cat (CPU s) | KV cache MiB |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    print(
+        "| batch | r | engine | tokens/s (wall) | tokens/s (CPU s) | vs cat (wall) | vs cat (CPU s) | KV cache MiB "
+        "| bound tokens/s | % of bound | warm-up s |"
+    )
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for bsz in (int(v) for v in args.batch_sizes.split(",")):
         gen = torch.Generator().manual_seed(bsz)
         input_ids = torch.randint(0, args.vocab, (bsz, args.prompt_len), generator=gen).to(args.device)
@@ -252,13 +312,19 @@ def run_speed(args: argparse.Namespace) -> None:
                     runs[mode] = engine_run(model, input_ids, r, mode, False, args.iterations_per_call)
                     if args.compile:
                         runs[f"{mode}+compile"] = engine_run(model, input_ids, r, mode, True, args.iterations_per_call)
-            for run in runs.values():
+            warmup = {}
+            for name, run in runs.items():
+                synchronize(args.device)
+                began = time.perf_counter()
                 run(args.new_tokens, 4)
+                synchronize(args.device)
+                warmup[name] = time.perf_counter() - began
             timings = {name: [] for name in runs}
             for _ in range(args.rounds):
                 for name, run in runs.items():
                     timings[name].append(time_run(run, args.new_tokens, args.device))
             tokens = bsz * args.new_tokens
+            bound = bsz * bandwidth / decode_bytes(model, r, bsz, args.prompt_len + args.new_tokens // 2)
             for name, rows in timings.items():
                 wall = [row[0] for row in rows]
                 cpu = [row[1] for row in rows]
@@ -268,11 +334,59 @@ def run_speed(args: argparse.Namespace) -> None:
                     ratios = [
                         f"{statistics.median(b[i] / t[i] for b, t in zip(base, rows, strict=True)):.2f}" for i in (0, 1)
                     ]
+                speed = tokens / statistics.median(wall)
                 print(
-                    f"| {bsz} | {r} | {name} | {tokens / statistics.median(wall):.1f} | "
-                    f"{tokens / statistics.median(cpu):.1f} | {ratios[0]} | {ratios[1]} | {rows[0][2] / 2**20:.2f} |",
+                    f"| {bsz} | {r} | {name} | {speed:.1f} | "
+                    f"{tokens / statistics.median(cpu):.1f} | {ratios[0]} | {ratios[1]} | {rows[0][2] / 2**20:.2f} | "
+                    f"{bound:.1f} | {100 * speed / bound:.1f} | {warmup[name]:.1f} |",
                     flush=True,
                 )
+
+
+# --- check --------------------------------------------------------------------------------------
+
+
+def run_check(args: argparse.Namespace) -> None:
+    """The fast path against eager decoding in the model's dtype: the fast path teacher-forced with eager's
+    greedy tokens (so both see the same inputs at every position), the largest logit difference against
+    the logits' spread, and how often the argmax agrees; on a GPU, the captured token steps under
+    ``torch.cuda.set_sync_debug_mode("error")`` (a host sync inside them raises)."""
+    model = build_model(args)
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, args.vocab, (args.batch_size, args.prompt_len), generator=gen).to(args.device)
+    for r in (int(v) for v in args.recurrences.split(",")):
+        options = GenerationOptions(max_new_tokens=args.new_tokens, num_steps=r)
+        eager = generate(model, input_ids, dataclasses.replace(options, compile=False), return_logits=True)
+        forced = eager.tokens
+        fast = generate(
+            model, input_ids, dataclasses.replace(options, compile=True), forced_tokens=forced, return_logits=True
+        )
+        assert eager.logits is not None and fast.logits is not None  # asked for
+        difference = float((fast.logits - eager.logits).abs().max())
+        agree = float((fast.logits.argmax(-1) == eager.logits.argmax(-1)).float().mean())
+        print(
+            f"r={r} batch {args.batch_size} {args.dtype} {args.device}: fast vs eager over {args.new_tokens} "
+            f"teacher-forced tokens: max |logit difference| {difference:.4f} (logit std "
+            f"{float(eager.logits.std()):.3f}), argmax agreement {100 * agree:.1f}%",
+            flush=True,
+        )
+        if args.device.startswith("cuda"):
+            with mock.patch.object(DecodeProgram, "step", sync_checked(DecodeProgram.step)):
+                generate(model, input_ids, dataclasses.replace(options, compile=True))
+            print(f"r={r}: every token step under set_sync_debug_mode('error'): no host sync", flush=True)
+
+
+def sync_checked(step: Callable[[DecodeProgram], None]) -> Callable[[DecodeProgram], None]:
+    """``DecodeProgram.step`` raising on any host sync (a GPU's ``set_sync_debug_mode("error")``)."""
+
+    def checked(program: DecodeProgram) -> None:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(program)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    return checked
 
 
 # --- memory -------------------------------------------------------------------------------------
@@ -518,7 +632,7 @@ def run_speculative(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    commands = {"speed": run_speed, "memory": run_memory, "quality": run_quality, "task": run_task}
+    commands = {"speed": run_speed, "check": run_check, "memory": run_memory, "quality": run_quality, "task": run_task}
     commands["speculative"] = run_speculative
     commands[args.command](args)
     return 0

@@ -204,6 +204,7 @@ class DecodeProgram:
         """Adaptive exit: the rows still active ran ``iterations`` more (a captured op, not a compiled one)."""
         self.steps.add_(cast(torch.Tensor, self.active), alpha=iterations)
 
+    @torch.no_grad()
     def _warm_up(self) -> None:
         """Run every segment once on an empty cache (compiling each piece) and, on a GPU, capture each
         segment as a CUDA graph. Nothing of it survives ``prefill``, which resets every buffer it read."""
@@ -228,6 +229,7 @@ class DecodeProgram:
 
     # --- running ----------------------------------------------------------------------------------
 
+    @torch.no_grad()
     def prefill(
         self,
         input_ids: torch.Tensor,
@@ -266,6 +268,7 @@ class DecodeProgram:
         self.head_calls.copy_(step.head_calls)
         _decode_choose(self, step.logits[:, -1:])
 
+    @torch.no_grad()
     def step(self) -> None:
         """Decode one token: the forward of ``self.token`` and the choice of the next. Adaptive exit
         reads after each check whether a row still runs (the one host sync), else leaves at once."""
