@@ -174,7 +174,8 @@ class DecodeProgram:
             return [[*calls, functools.partial(self._leave, self)]]
         if not self.adaptive:
             return [[*calls, *self._runs(0, self.num_steps, per_call), functools.partial(self._leave, self)]]
-        segments, done = [], 0
+        segments: list[list[Callable[[], None]]] = []
+        done = 0
         while done < self.num_steps:
             check = self.opts.next_check(done)
             calls += self._runs(done, check, per_call)
