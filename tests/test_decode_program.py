@@ -18,7 +18,7 @@ import torch._dynamo
 from tests.tiny_models import tiny_args, tiny_model
 from tests.torchrun_util import load_tool
 from titan_recur.inference import decode_program
-from titan_recur.inference.decode_program import batch_bucket, capacity_bucket, program_for
+from titan_recur.inference.decode_program import batch_bucket, capacity_bucket, program_for, release_programs
 from titan_recur.inference.engine import GenerationOptions, generate, left_pad
 from titan_recur.inference.sampling import sample_by_uniforms
 from titan_recur.models.blocks import RMSNorm
@@ -207,6 +207,11 @@ def test_buckets_and_the_program_cache(counter) -> None:
         program_for(model, dataclasses.replace(opts, num_steps=r), 1, 10)
     assert len(decode_program._DECODE_PROGRAMS[model]) == decode_program.MAX_PROGRAMS
     assert bigger not in decode_program._DECODE_PROGRAMS[model].values()  # the least recently used went first
+    model.double()  # new weight tensors: a captured graph would read the old ones, so every program goes
+    assert program_for(model, dataclasses.replace(opts, num_steps=3), 1, 10) is not None
+    assert len(decode_program._DECODE_PROGRAMS[model]) == 1
+    release_programs(model)
+    assert model not in decode_program._DECODE_PROGRAMS
 
 
 def test_bench_check_compares_the_fast_path_with_eager(counter, capsys) -> None:

@@ -8,6 +8,7 @@ Every model is tiny and fp32, built inline.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from contextlib import nullcontext
@@ -706,5 +707,11 @@ def test_hf_export_generate_takes_the_depth_knobs(model_dir: Path, tmp_path: Pat
     out = hf.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, **knobs)
     assert torch.equal(out[:, ids.shape[1] :], expected.tokens)
     assert expected.steps[:, 1:].float().mean() < 6
+    # the fast path inside the export's own (inlined) engine: the same tokens (aot_eager: see test_decode_program)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    fast = hf.generate(
+        ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, compile=True, **knobs
+    )
+    assert torch.equal(fast, out)
     with pytest.raises(ValueError, match="cannot serve beam_search decoding"):
         hf.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2, kv_sharing="latest")

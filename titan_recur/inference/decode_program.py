@@ -391,7 +391,11 @@ def program_for(model: RecurrentLM, opts: GenerationOptions, batch_size: int, co
     programs = _DECODE_PROGRAMS.setdefault(model, OrderedDict())
     rows = batch_bucket(batch_size)
     graph_options = tuple(getattr(opts, name) for name in opts.__dataclass_fields__ if name not in RUN_ONLY_OPTIONS)
-    key = (rows, model.training, model.embed_tokens.weight.dtype, graph_options)
+    # Where the weights live: a captured graph reads them there, so a model moved or cast since needs new programs.
+    weights = tuple(p.data_ptr() for p in model.parameters())
+    for stale in [k for k in programs if k[0] != weights]:
+        del programs[stale]
+    key = (weights, rows, model.training, graph_options)
     program = programs.get(key)
     built = program is None or program.cache.capacity < columns
     if built:
