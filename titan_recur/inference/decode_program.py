@@ -96,8 +96,8 @@ def run_core_piece(
 
 class DecodeProgram:
     """One (batch bucket, capacity, options) of static decoding: its cache, its static buffers, its
-    compiled pieces and, on a GPU, its captured graphs. ``prefill`` starts a generation, ``token``
-    decodes one; ``warmup_seconds`` is what building it took (compiles and captures)."""
+    compiled pieces and, on a GPU, its captured graphs. ``prefill`` starts a generation, ``step``
+    decodes one token; ``warmup_seconds`` is what building it took (compiles and captures)."""
 
     def __init__(self, model: RecurrentLM, opts: GenerationOptions, rows: int, capacity: int) -> None:
         start = time.perf_counter()
