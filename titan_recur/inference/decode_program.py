@@ -336,13 +336,8 @@ def _decode_check(p: DecodeProgram, first: bool) -> None:
 def _decode_leave(p: DecodeProgram) -> None:
     """Coda, head and the choice of the next token (a compiled piece)."""
     model = p.model
-    if model.core is None:
-        p.steps.zero_()
-        p.head_calls.fill_(1)
-        _decode_choose(p, model.head(model.coda_and_norm(p.state, p.ctx)))
-        return
-    if not p.adaptive:
-        p.steps.fill_(p.num_steps)
+    if not p.adaptive:  # every row ran the fixed depth (a static model: no iteration)
+        p.steps.fill_(0 if model.core is None else p.num_steps)
         p.head_calls.fill_(1)
         _decode_choose(p, model.head(model.coda_and_norm(p.state, p.ctx)))
         return
