@@ -17,7 +17,7 @@ import torch._dynamo
 
 from tests.tiny_models import tiny_args, tiny_model
 from tests.torchrun_util import load_tool
-from titan_recur.inference import decode_program
+from titan_recur.inference import decode_program, engine
 from titan_recur.inference.decode_program import batch_bucket, capacity_bucket, program_for, release_programs
 from titan_recur.inference.engine import GenerationOptions, generate, left_pad
 from titan_recur.inference.sampling import sample_by_uniforms
@@ -121,6 +121,39 @@ def test_every_option_on_the_fast_path_equals_eager(model, counter, knobs: dict)
         assert len(set(eager.steps[:, 1:].flatten().tolist())) > 1  # rows exit at different checks
 
 
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(num_steps=8, draft_steps=2, lookahead=3),
+        dict(num_steps=6, draft_steps=1, lookahead=4, temperature=0.8, top_p=0.9, seed=3),
+        pytest.param(dict(num_steps=4, draft_steps=1, lookahead=2, eos_id=5), marks=pytest.mark.slow),
+    ],
+    ids=["greedy", "sampling", "eos"],
+)
+def test_speculative_decoding_on_the_fast_path_equals_eager(model, counter, monkeypatch, knobs: dict) -> None:
+    """Drafts and verifies run as programs (the eager forward serves the prompt only): eager's tokens, logits,
+    acceptance and iterations, left-padded rows with their holes included; another token count in the same
+    bucket compiles nothing new."""
+    ids, mask = prompts()
+    options = GenerationOptions(max_new_tokens=12, **knobs)
+    eager = generate(model, ids, options, attention_mask=mask, return_logits=True)
+    assert eager.speculation is not None and eager.speculation.acceptance_rate < 1  # drafts were rejected
+    forwards = []
+    eager_forward = engine._Decoder.forward
+    monkeypatch.setattr(engine._Decoder, "forward", lambda *a, **kw: forwards.append(1) or eager_forward(*a, **kw))
+    fast = generate(model, ids, dataclasses.replace(options, compile=True), attention_mask=mask, return_logits=True)
+    assert len(forwards) == 1, "drafts or verifies ran through the eager forward"
+    assert_same(eager, fast, compare_logits="eos_id" not in knobs)
+    assert [t.tolist() for t in vars(fast.speculation).values()] == [
+        t.tolist() for t in vars(eager.speculation).values()
+    ]
+    compiled = counter.graphs
+    shorter = dataclasses.replace(options, max_new_tokens=9)
+    fast = generate(model, ids, dataclasses.replace(shorter, compile=True), attention_mask=mask)
+    assert fast.tokens.tolist() == generate(model, ids, shorter, attention_mask=mask).tokens.tolist()
+    assert counter.graphs == compiled, "another token count within the bucket recompiled"
+
+
 def test_stop_forced_tokens_and_a_static_model_on_the_fast_path(counter) -> None:
     """A stop callback ends rows mid-run, teacher forcing feeds given tokens, and a static model (no core)
     decodes through the same program."""
@@ -158,6 +191,17 @@ def test_no_recompile_across_prompt_lengths_and_token_counts_within_a_bucket(mod
         assert fast.tokens.tolist() == eager.tokens.tolist()
     assert counter.graphs == compiled, "a prompt length or token count within the bucket recompiled"
     assert len(decode_program._DECODE_PROGRAMS[model]) == 1
+
+
+def test_a_depth_sweep_builds_more_programs_than_dynamos_recompile_limit(model, counter) -> None:
+    """Accuracy against r builds a program per depth: more than dynamo keeps graphs per function
+    (``recompile_limit``; with fullgraph the one past it is an error), so each program compiles its own
+    copy of the pieces."""
+    ids, mask = prompts()
+    for r in range(1, torch._dynamo.config.recompile_limit + 3):
+        options = GenerationOptions(max_new_tokens=3, num_steps=r)
+        fast = generate(model, ids, dataclasses.replace(options, compile=True), attention_mask=mask)
+        assert fast.tokens.tolist() == generate(model, ids, options, attention_mask=mask).tokens.tolist()
 
 
 def test_a_host_sync_inside_the_token_step_fails_the_compile(model, counter, monkeypatch) -> None:

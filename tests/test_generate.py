@@ -713,5 +713,11 @@ def test_hf_export_generate_takes_the_depth_knobs(model_dir: Path, tmp_path: Pat
         ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, compile=True, **knobs
     )
     assert torch.equal(fast, out)
+    speculative = dict(num_steps=6, draft_steps=2, lookahead=3)  # drafts and verifies as programs
+    plain = generate(load_model(model_dir), ids, GenerationOptions(max_new_tokens=10, num_steps=6), attention_mask=mask)
+    fast = hf.generate(
+        ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, compile=True, **speculative
+    )
+    assert torch.equal(fast[:, ids.shape[1] :], plain.tokens)
     with pytest.raises(ValueError, match="cannot serve beam_search decoding"):
         hf.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2, kv_sharing="latest")

@@ -19,13 +19,16 @@ piece means fewer calls per token).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
 import time
+import types
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 from weakref import WeakKeyDictionary
 
 import torch
@@ -81,6 +84,14 @@ def default_iterations_per_call(device: torch.device) -> int:
     return 1 if torch.device(device).type == "cuda" else 8
 
 
+def _own_copy(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` with a code object of its own. Dynamo keeps a function's graphs on its code object, at most
+    ``recompile_limit`` (8) of them, and under fullgraph the one past it is an error; a sweep over depths
+    and batch buckets builds more programs than that. A program compiling its own copies holds its own
+    graphs, dropped with it."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def run_core_piece(
     core: RecurrentCore,
     state: torch.Tensor,
@@ -96,36 +107,51 @@ def run_core_piece(
 
 class DecodeProgram:
     """One (batch bucket, capacity, options) of static decoding: its cache, its static buffers, its
-    compiled pieces and, on a GPU, its captured graphs. ``prefill`` starts a generation, ``step``
-    decodes one token; ``warmup_seconds`` is what building it took (compiles and captures)."""
+    compiled pieces and, on a GPU, its captured graphs. ``prefill`` starts a generation (``resume``
+    continues one from given tokens), ``step`` decodes one token; ``warmup_seconds`` is what building it
+    took (compiles and captures). ``width`` tokens per forward and a ``cache`` of another program serve
+    speculative decoding's verify (``VerifyProgram``)."""
 
-    def __init__(self, model: RecurrentLM, opts: GenerationOptions, rows: int, capacity: int) -> None:
+    def __init__(
+        self,
+        model: RecurrentLM,
+        opts: GenerationOptions,
+        rows: int,
+        capacity: int,
+        *,
+        width: int = 1,
+        cache: KVCache | None = None,
+    ) -> None:
         start = time.perf_counter()
-        self.model, self.opts, self.rows = model, opts, rows
+        self.model, self.opts, self.rows, self.width = model, opts, rows, width
         args, weight = model.args, model.embed_tokens.weight
         device, dtype = weight.device, weight.dtype
         self.num_steps = cast(int, opts.num_steps)  # resolved
-        self.cache = KVCache.for_model(model, rows, capacity, self.num_steps, opts.kv_sharing)
+        if cache is None:
+            cache = KVCache.for_model(model, rows, capacity, self.num_steps, opts.kv_sharing)
+        self.cache = cache
         zeros = functools.partial(torch.zeros, device=device)
-        self.token = zeros(rows, 1, dtype=torch.long)  # the token the next forward reads
-        self.position = zeros(rows, 1, dtype=torch.long)
-        self.column = zeros(1, dtype=torch.long)  # the cache column the next forward writes
+        self.token = zeros(rows, width, dtype=torch.long)  # the tokens the next forward reads
+        self.position = zeros(rows, width, dtype=torch.long)
+        self.column = zeros(width, dtype=torch.long)  # the cache columns the next forward writes
         self.counter = zeros((), dtype=torch.long)  # new tokens chosen so far: indexes the draws
-        self.key_bias = torch.full((rows, 1, 1, capacity), -math.inf, dtype=dtype, device=device)
+        self.key_bias = torch.full((rows, 1, width, capacity), -math.inf, dtype=dtype, device=device)
+        # What the forward's tokens see of their own columns: each itself and the ones before it.
+        self.block_bias = torch.full((width, width), -math.inf, dtype=dtype, device=device).triu(1)
         self.uniforms = zeros(capacity, rows)  # the sampler's draw for each new token
         self.finished = zeros(rows, dtype=torch.bool)
         self.lengths = zeros(rows, dtype=torch.long)
-        self.logits = zeros(rows, args.vocab_size)  # fp32 logits of the latest chosen token
+        leave, self.logits = self._leave_and_logits()
         self.steps = zeros(rows, dtype=torch.long)  # iterations of the latest forward
         self.head_calls = zeros(rows, dtype=torch.long)
         self.token_steps = zeros(rows, dtype=torch.long)  # the chosen token's: 0 once its row finished
         self.token_head_calls = zeros(rows, dtype=torch.long)
-        self.state = zeros(rows, 1, args.dim, dtype=dtype)  # the core's state (a static model: the prelude's)
-        self.injected = zeros(rows, 1, args.dim, dtype=dtype)
+        self.state = zeros(rows, width, args.dim, dtype=dtype)  # the core's state (a static model: the prelude's)
+        self.injected = zeros(rows, width, args.dim, dtype=dtype)
         self.warm_start = opts.state_init == WARM_START and model.core is not None
         self.state_init = args.eval_state_init if opts.state_init == WARM_START else cast(str, opts.state_init)
         self.inv_freq = model.rope_inv_freq(device)
-        rope = zeros(rows, 1, args.head_dim, dtype=dtype)
+        rope = zeros(rows, width, args.head_dim, dtype=dtype)
         self.ctx = AttentionContext(cos=rope, sin=rope.clone(), mask=self.key_bias, cache=self.cache)
         self.contexts = iteration_contexts(self.ctx, 0, self.num_steps) if model.core is not None else ()
         self.adaptive = opts.exit_criterion is not None
@@ -143,11 +169,11 @@ class DecodeProgram:
             torch.compile, fullgraph=True, dynamic=False, options=decode_compile_options(device)
         )
         self._enter, self._check, self._leave = (
-            compile_(_decode_enter),
-            compile_(_decode_check),
-            compile_(_decode_leave),
+            compile_(_own_copy(_decode_enter)),
+            compile_(_own_copy(_decode_check)),
+            compile_(_own_copy(leave)),
         )
-        self._core_piece = compile_(run_core_piece)
+        self._core_piece = compile_(_own_copy(run_core_piece))
         self.segments = self._segments(per_call)
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self._warm_up()
@@ -158,10 +184,15 @@ class DecodeProgram:
         opts = self.opts
         exit_ = f", exit {opts.exit_criterion}" if self.adaptive else ""
         graphs = f"{len(self.graphs)} CUDA graph(s)" if self.graphs else "no CUDA graph (CPU)"
+        width = f", {self.width} tokens per forward" if self.width > 1 else ""
         return (
             f"batch bucket {self.rows}, cache capacity {self.cache.capacity}, r = {self.num_steps}, kv {opts.kv_sharing}"
-            f"{exit_}, {len(self.segments)} segment(s), {graphs}"
+            f"{exit_}{width}, {len(self.segments)} segment(s), {graphs}"
         )
+
+    def _leave_and_logits(self) -> tuple[Callable[[DecodeProgram], None], torch.Tensor]:
+        """The last piece of a forward and the logits it fills: the chosen token's, fp32 (rows, V)."""
+        return _decode_leave, torch.zeros(self.rows, self.model.args.vocab_size, device=self.token.device)
 
     # --- building ---------------------------------------------------------------------------------
 
@@ -273,12 +304,35 @@ class DecodeProgram:
     def step(self) -> None:
         """Decode one token: the forward of ``self.token`` and the choice of the next. Adaptive exit
         reads after each check whether a row still runs (the one host sync), else leaves at once."""
+        self.cache.pin(self.column, self.write_rows)  # a cache shared with another program writes here now
         leave = len(self.segments) - 1
         for index in range(leave):
             self._run_segment(index)
             if self.adaptive and index < leave - 1 and not bool(cast(torch.Tensor, self.active).any()):
                 break
         self._run_segment(leave)
+
+    @torch.no_grad()
+    def resume(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        start: int,
+        keys: torch.Tensor,
+        uniforms: torch.Tensor | None = None,
+    ) -> None:
+        """Continue a generation in this program's cache (speculative decoding's drafts and verify): the
+        next forward reads ``tokens`` at ``positions`` (B, n <= width) and writes columns start ..
+        start + width - 1; row b sees the columns before ``start`` where ``keys[b]`` is True (a hole where
+        not) and ``uniforms`` (n_tokens, B) are the draws of the next tokens it chooses."""
+        bsz, n = tokens.shape
+        self.token[:bsz, :n] = tokens
+        self.position[:bsz, :n] = positions
+        torch.arange(start, start + self.width, out=self.column)
+        self.key_bias.fill_(-math.inf)[:bsz, :, :, :start].masked_fill_(keys[:, None, None, :start], 0.0)
+        self.counter.zero_()
+        if uniforms is not None:
+            self.uniforms[: uniforms.shape[0], :bsz] = uniforms
 
     def _run_segment(self, index: int) -> None:
         if self.graphs:
@@ -295,7 +349,8 @@ def _run_decode_calls(calls: list[Callable[[], None]]) -> None:
 def _decode_enter(p: DecodeProgram) -> None:
     """Embed and prelude of ``p.token``; the core's injection and initial state (a compiled piece)."""
     model = p.model
-    p.key_bias.index_fill_(-1, p.column, 0.0)  # the token's own column: written now, seen from now on
+    # The forward's own columns, written now and seen from now on (each token sees itself and those before).
+    p.key_bias.index_copy_(-1, p.column, p.block_bias.expand(p.rows, 1, p.width, p.width))
     if p.adaptive:  # prelude writes are every row's; the core's only the active rows'
         cast(torch.Tensor, p.write_rows).fill_(True)
     cos, sin = rope_cos_sin(p.position, p.inv_freq, p.key_bias.dtype)
@@ -376,13 +431,87 @@ def _decode_choose(p: DecodeProgram, logits: torch.Tensor) -> None:
     p.counter.add_(1)
 
 
-_DECODE_PROGRAMS: WeakKeyDictionary[RecurrentLM, OrderedDict[tuple[Any, ...], DecodeProgram]] = WeakKeyDictionary()
+def _verify_leave(p: DecodeProgram) -> None:
+    """Coda and head of every position of a verified block: its logits (a compiled piece)."""
+    p.logits.copy_(p.model.head(p.model.coda_and_norm(p.state, p.ctx)))
+
+
+class VerifyProgram(DecodeProgram):
+    """Speculative decoding's verify on the fast path: a block of lookahead + 1 tokens (the last chosen
+    one and its drafts; fewer fill the front) at depth r, through the draft program's cache, leaving the
+    logits of every position (model dtype, as the eager verify's) for the acceptance rule."""
+
+    def __init__(self, model: RecurrentLM, opts: GenerationOptions, draft: DecodeProgram) -> None:
+        super().__init__(model, opts, draft.rows, draft.cache.capacity, width=opts.lookahead + 1, cache=draft.cache)
+
+    def _leave_and_logits(self) -> tuple[Callable[[DecodeProgram], None], torch.Tensor]:
+        weight = self.model.embed_tokens.weight
+        return _verify_leave, weight.new_zeros(self.rows, self.width, self.model.args.vocab_size)
+
+
+@dataclass
+class SpeculativePrograms:
+    """Speculative decoding on the fast path: drafts decode token by token at draft_steps and the verify
+    runs a block at num_steps, both in one cache (r slots per core block)."""
+
+    draft: DecodeProgram
+    verify: VerifyProgram
+
+    @property
+    def cache(self) -> KVCache:
+        return self.draft.cache
+
+    @property
+    def warmup_seconds(self) -> float:
+        return self.draft.warmup_seconds + self.verify.warmup_seconds
+
+    def describe(self) -> str:
+        return f"drafts: {self.draft.describe()}; verify: {self.verify.describe()}"
+
+
+def speculative_columns(prompt_width: int, opts: GenerationOptions, batch_size: int) -> int:
+    """Cache columns a speculative generation may write: a round writes lookahead + 1 columns and keeps
+    as many as its most accepting row, so rows that accepted fewer leave holes. One row has none (its
+    columns are its tokens); several rows may spend lookahead + 1 columns per new token."""
+    block = opts.lookahead + 1
+    if batch_size == 1:
+        return prompt_width + opts.max_new_tokens + block - 1
+    return prompt_width + (opts.max_new_tokens - 1) * block
+
+
+_Program = TypeVar("_Program", DecodeProgram, SpeculativePrograms)
+_DECODE_PROGRAMS: WeakKeyDictionary[RecurrentLM, OrderedDict[tuple[Any, ...], Any]] = WeakKeyDictionary()
 
 
 def program_for(model: RecurrentLM, opts: GenerationOptions, batch_size: int, columns: int) -> DecodeProgram:
     """The model's program for a batch of ``batch_size`` rows needing ``columns`` cache columns at
     ``opts``, built if none fits (logged with its warm-up seconds): one per (bucket, graph options),
     kept while its capacity suffices; at most MAX_PROGRAMS per model, the least recently used dropped."""
+    return _cached_program(model, opts, batch_size, columns, None, functools.partial(DecodeProgram, model, opts))
+
+
+def speculative_programs_for(
+    model: RecurrentLM, opts: GenerationOptions, batch_size: int, columns: int
+) -> SpeculativePrograms:
+    """``program_for`` of speculative decoding (``opts.draft_steps`` set): the draft and verify programs."""
+
+    def build(rows: int, capacity: int) -> SpeculativePrograms:
+        draft_opts = dataclasses.replace(opts, num_steps=opts.draft_steps, eos_id=None)  # drafts go on past an EOS
+        cache = KVCache.for_model(model, rows, capacity, cast(int, opts.num_steps), opts.kv_sharing)
+        draft = DecodeProgram(model, draft_opts, rows, capacity, cache=cache)
+        return SpeculativePrograms(draft, VerifyProgram(model, opts, draft))
+
+    return _cached_program(model, opts, batch_size, columns, (opts.draft_steps, opts.lookahead), build)
+
+
+def _cached_program(
+    model: RecurrentLM,
+    opts: GenerationOptions,
+    batch_size: int,
+    columns: int,
+    kind: Any,
+    build: Callable[[int, int], _Program],
+) -> _Program:
     programs = _DECODE_PROGRAMS.setdefault(model, OrderedDict())
     rows = batch_bucket(batch_size)
     graph_options = tuple(getattr(opts, name) for name in opts.__dataclass_fields__ if name not in RUN_ONLY_OPTIONS)
@@ -390,18 +519,17 @@ def program_for(model: RecurrentLM, opts: GenerationOptions, batch_size: int, co
     weights = tuple(p.data_ptr() for p in model.parameters())
     for stale in [k for k in programs if k[0] != weights]:
         del programs[stale]
-    key = (weights, rows, model.training, graph_options)
+    key = (weights, rows, model.training, graph_options, kind)
     program = programs.get(key)
-    built = program is None or program.cache.capacity < columns
-    if built:
+    if program is None or program.cache.capacity < columns:
         programs.pop(key, None)  # its cache is freed before the larger one is allocated
-        program = DecodeProgram(model, opts, rows, capacity_bucket(columns, model.args.max_seq_len))
+        program = build(rows, capacity_bucket(columns, model.args.max_seq_len))
         programs[key] = program
         while len(programs) > MAX_PROGRAMS:
             programs.popitem(last=False)
         LOG.info("decode program built in %.1f s: %s", program.warmup_seconds, program.describe())
     programs.move_to_end(key)
-    return cast(DecodeProgram, program)
+    return cast(_Program, program)
 
 
 def release_programs(model: RecurrentLM) -> None:

@@ -18,7 +18,7 @@ from typing import TypeGuard, cast
 import torch
 import torch.nn.functional as F
 
-from titan_recur.inference.decode_program import program_for
+from titan_recur.inference.decode_program import program_for, speculative_columns, speculative_programs_for
 from titan_recur.inference.exit_criteria import DEFAULT_EXIT_THRESHOLDS, EXIT_CRITERIA, ExitCriterion
 from titan_recur.inference.sampling import choose_tokens, draw_uniforms, sample_by_uniforms, token_probs
 from titan_recur.models.args import STATE_INITS, WARM_START, ModelArgs
@@ -53,8 +53,8 @@ class GenerationOptions:
     decoding at num_steps; sampling: the same distribution). None = plain decoding.
     compile: decode on the fast path (inference/decode_program.py): each token a static-shape program
     compiled once per batch bucket and cache capacity, replayed as one CUDA graph per token on a GPU;
-    None = on a GPU yes, on a CPU no (its first compile takes a minute there). Speculative decoding
-    runs eagerly whatever it says. iterations_per_call: core iterations per compiled piece (None: 1 on
+    None = on a GPU yes, on a CPU no (its first compile takes a minute there); speculative decoding's
+    drafts and verifies run on it too. iterations_per_call: core iterations per compiled piece (None: 1 on
     a GPU, 8 on a CPU; see ``default_iterations_per_call``).
     """
 
@@ -355,50 +355,42 @@ def _generate_speculative(
 
     The cache holds every committed token but the last at the target depth. A round feeds the last
     token and ``lookahead`` - 1 drafts at ``draft_steps`` (lookahead draft forwards, one token each),
-    crops the drafts off, and verifies [last, drafts] at ``num_steps`` in one forward over the block;
-    each row keeps its accepted prefix (``_accept``), and the cache is cropped to the longest one: a
-    row that kept fewer leaves masked holes (the attention mask hides them and positions count real
-    tokens only, as with left padding), so each row computes what it computes alone.
+    and verifies [last, drafts] at ``num_steps`` in one forward over the block, overwriting the drafts'
+    columns; each row keeps its accepted prefix (``_accept``), and the next round starts after the
+    longest one: a row that kept fewer leaves masked holes (the attention mask hides them and positions
+    count real tokens only, as with left padding), so each row computes what it computes alone.
+    Drafts and verifies run eagerly or, with ``compile``, as decode programs (``_FastSpeculation``).
     """
     assert opts.num_steps is not None and opts.draft_steps is not None  # resolved, and generate's test for a draft
     bsz, width = input_ids.shape
     device = input_ids.device
     k, r = opts.lookahead, opts.num_steps
-    cache = KVCache.for_model(model, bsz, width + opts.max_new_tokens + k + 1, r, opts.kv_sharing)
-    keys = torch.zeros(bsz, cache.capacity, dtype=torch.bool, device=device)
+    fast = opts.compile if opts.compile is not None else device.type == "cuda"
+    runner = (_FastSpeculation if fast else _EagerSpeculation)(model, opts, bsz, width)
+    keys = torch.zeros(bsz, runner.cache.capacity, dtype=torch.bool, device=device)
     keys[:, :width] = attention_mask.bool()
     real = attention_mask.long().sum(-1)  # per row: real tokens cached = the next position
-    decoder = _Decoder(model, cache, opts)
-    prompt = decoder.forward(input_ids, (attention_mask.long().cumsum(-1) - 1).clamp(min=0), keys)
 
-    def choose(logits: torch.Tensor) -> torch.Tensor:
-        draws = draw_uniforms((bsz,), generator, device) if opts.temperature > 0 else None
-        return choose_tokens(logits, opts.temperature, opts.top_p, draws)
+    def draws(n: int) -> torch.Tensor | None:
+        return draw_uniforms((n, bsz), generator, device) if opts.temperature > 0 else None
 
-    last = choose(prompt.logits[:, -1])
+    last, prompt_logits = runner.prefill(input_ids, attention_mask, keys, draws(1))
     rows = [_Row(opts, stop, device) for _ in range(bsz)]
     for b in range(bsz):
-        rows[b].append([int(last[b])], prompt.logits[b, -1:] if return_logits else None)
+        rows[b].append([int(last[b])], prompt_logits[b : b + 1] if return_logits else None)
     stats = SpeculationStats(*(torch.zeros(bsz, dtype=torch.long) for _ in range(4)))
+    start = width  # the column the round's first forward writes
     while not all(row.finished for row in rows):
         left = max(row.left for row in rows if not row.finished)
         drafts = min(k, left - 1)  # no draft beyond the last token any row may still emit
-        start = cache.length
         keys = _columns(keys, start + drafts + 1)
-        draft_tokens, draft_probs, fed = [], [], last
-        for i in range(drafts):
-            keys[:, start + i] = True
-            step = decoder.forward(fed[:, None], (real + i)[:, None], keys, num_steps=opts.draft_steps)
-            fed = choose(step.logits[:, -1])
-            draft_tokens.append(fed)
-            if opts.temperature > 0:
-                draft_probs.append(token_probs(step.logits[:, -1], opts.temperature, opts.top_p))
-        cache.crop(start)
+        draft_tokens, draft_logits = runner.draft(last, real, start, keys, drafts, draws(drafts))
+        sampled = opts.temperature > 0
+        draft_probs = [token_probs(logits, opts.temperature, opts.top_p) for logits in draft_logits if sampled]
         block = torch.stack([last, *draft_tokens], dim=1)  # (B, drafts + 1)
         keys[:, start : start + drafts + 1] = True
-        positions = real[:, None] + torch.arange(drafts + 1, device=device)
-        verify = decoder.forward(block, positions, keys, num_steps=r, head_positions=drafts + 1)
-        accepted, bonus = _accept(block[:, 1:], draft_probs, verify.logits, opts, generator)
+        verify_logits = runner.verify(block, real, start, keys)
+        accepted, bonus = _accept(block[:, 1:], draft_probs, verify_logits, opts, generator)
         live = torch.tensor([not row.finished for row in rows])
         kept = int(accepted[live].max())
         for b, row in enumerate(rows):
@@ -409,13 +401,114 @@ def _generate_speculative(
             stats.rounds[b] += 1
             stats.core_iterations[b] += drafts * opts.draft_steps + r
             new = [*block[b, 1 : n + 1].tolist(), int(bonus[b])]
-            stats.accepted[b] += min(n, row.append(new, verify.logits[b, : n + 1] if return_logits else None))
+            stats.accepted[b] += min(n, row.append(new, verify_logits[b, : n + 1] if return_logits else None))
             keys[b, start + n + 1 : start + kept + 1] = False  # this row's rejected drafts: holes
-        cache.crop(start + kept + 1)
-        keys[:, cache.length :] = False
+        start += kept + 1
+        runner.keep(start)
+        keys[:, start:] = False
         real += accepted + 1
         last = bonus
-    return _speculative_output(rows, opts, cache, stats, device)
+    return _speculative_output(rows, opts, runner.cache, stats, device)
+
+
+class _EagerSpeculation:
+    """Speculative decoding's forwards through the eager path: a cache that grows when holes fill it."""
+
+    def __init__(self, model: RecurrentLM, opts: GenerationOptions, bsz: int, width: int) -> None:
+        self.opts = opts
+        k, r = opts.lookahead, cast(int, opts.num_steps)  # resolved
+        self.cache = KVCache.for_model(model, bsz, width + opts.max_new_tokens + k + 1, r, opts.kv_sharing)
+        self.decoder = _Decoder(model, self.cache, opts)
+
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keys: torch.Tensor, draws: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt at the target depth: the first token (B,) and its logits (B, V)."""
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        logits = self.decoder.forward(input_ids, positions, keys).logits[:, -1]
+        return self._choose(logits, draws, 0), logits
+
+    def draft(
+        self,
+        last: torch.Tensor,
+        real: torch.Tensor,
+        start: int,
+        keys: torch.Tensor,
+        drafts: int,
+        draws: torch.Tensor | None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``drafts`` tokens (B,) after ``last`` at draft_steps, written from column ``start``, and their logits (B, V)."""
+        tokens, logits, fed = [], [], last
+        for i in range(drafts):
+            keys[:, start + i] = True
+            step = self.decoder.forward(fed[:, None], (real + i)[:, None], keys, num_steps=self.opts.draft_steps)
+            fed = self._choose(step.logits[:, -1], draws, i)
+            tokens.append(fed)
+            logits.append(step.logits[:, -1])
+        return tokens, logits
+
+    def verify(self, block: torch.Tensor, real: torch.Tensor, start: int, keys: torch.Tensor) -> torch.Tensor:
+        """The target's logits (B, n, V) at every position of ``block`` (B, n), written from column ``start``."""
+        self.cache.crop(start)  # the drafts' columns are overwritten at the target depth
+        n = block.shape[1]
+        positions = real[:, None] + torch.arange(n, device=block.device)
+        return self.decoder.forward(block, positions, keys, num_steps=self.opts.num_steps, head_positions=n).logits
+
+    def keep(self, length: int) -> None:
+        """The next round writes from column ``length``."""
+        self.cache.crop(length)
+
+    def _choose(self, logits: torch.Tensor, draws: torch.Tensor | None, index: int) -> torch.Tensor:
+        return choose_tokens(logits, self.opts.temperature, self.opts.top_p, None if draws is None else draws[index])
+
+
+class _FastSpeculation:
+    """Speculative decoding's forwards on the fast path: drafts as steps of a decode program at
+    draft_steps, the verify as one forward of a VerifyProgram, in a cache with room for every hole."""
+
+    def __init__(self, model: RecurrentLM, opts: GenerationOptions, bsz: int, width: int) -> None:
+        self.model, self.opts, self.bsz = model, opts, bsz
+        self.programs = speculative_programs_for(model, opts, bsz, speculative_columns(width, opts, bsz))
+        self.cache = self.programs.cache
+
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keys: torch.Tensor, draws: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt at the target depth (eagerly, into the programs' cache): the first token and its logits."""
+
+        def forward(cache: KVCache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> _Step:
+            return _Decoder(self.model, cache, self.opts).forward(ids, positions, mask)
+
+        draft = self.programs.draft
+        draft.prefill(input_ids, attention_mask, draws, forward)
+        return draft.token[: self.bsz, 0].clone(), draft.logits[: self.bsz].clone()
+
+    def draft(
+        self,
+        last: torch.Tensor,
+        real: torch.Tensor,
+        start: int,
+        keys: torch.Tensor,
+        drafts: int,
+        draws: torch.Tensor | None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        program, bsz = self.programs.draft, self.bsz
+        program.resume(last[:, None], real[:, None], start, keys, draws)
+        tokens, logits = [], []
+        for _ in range(drafts):
+            program.step()
+            tokens.append(program.token[:bsz, 0].clone())
+            logits.append(program.logits[:bsz].clone())
+        return tokens, logits
+
+    def verify(self, block: torch.Tensor, real: torch.Tensor, start: int, keys: torch.Tensor) -> torch.Tensor:
+        program, n = self.programs.verify, block.shape[1]
+        program.resume(block, real[:, None] + torch.arange(n, device=block.device), start, keys)
+        program.step()
+        return program.logits[: self.bsz, :n].clone()
+
+    def keep(self, length: int) -> None:
+        """Nothing to crop: the programs' key masks hide every column not kept."""
 
 
 class _Row:
