@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import subprocess
+import sys
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ import torch
 from titan_recur.cli.analyze_layers import main as analyze_main
 from titan_recur.cli.compare import main as compare_main
 from titan_recur.cli.generate import main as generate_main
+from titan_recur.cli.prepare_data import _encoded_chunks
 from titan_recur.cli.prepare_data import main as prepare_main
 from titan_recur.eval.__main__ import main as eval_main
 from titan_recur.storage.manifest import MANIFEST_NAME
@@ -188,6 +192,26 @@ def test_prepare_data_refuses_a_non_empty_out_in_one_line(tmp_path, capsys):
     one_error_line(capsys, prepare_main(prepare_args(out)), "not empty", "--force")
     one_error_line(capsys, prepare_main(prepare_args(out, "--force")), "refusing to replace")
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_prepare_data_without_a_tokenizer_fails_in_one_line_and_keeps_the_output(tmp_path, capsys):
+    """A tokenizer folder without a tokenizer: one line before any work, the previous output kept (it once
+    hung: the tokenizer was loaded only in the pool's initializer, whose workers respawned forever)."""
+    out = tmp_path / "data"
+    assert prepare_main(prepare_args(out)) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    argv = [sys.executable, "-m", "titan_recur.cli.prepare_data", *prepare_args(out, "--force")]
+    argv[argv.index("--tokenizer") + 1] = str(tmp_path)  # a folder without a tokenizer
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)  # a hang fails, not a slow run
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no tokenizer found" in done.stderr, done.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_failing_tokenizer_worker_ends_prepare_data(tmp_path):
+    """A worker whose start fails (here: no tokenizer in its folder) breaks the pool at once; nothing respawns."""
+    with pytest.raises(BrokenProcessPool):
+        list(_encoded_chunks(1, str(tmp_path), iter([[{"text": "one"}], [{"text": "two"}]])))
 
 
 def test_prepare_data_replaces_its_own_output_only_with_force(tmp_path, capsys):

@@ -38,7 +38,10 @@ import os
 import re
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import NoReturn
 
@@ -69,6 +72,25 @@ _tokenizer: Tokenizer | None = None
 def _init_worker(folder: str) -> None:
     global _tokenizer
     _tokenizer = load_tokenizer(folder)
+
+
+def _encoded_chunks(workers: int, tokenizer_folder: str, chunks: Iterator[list]) -> Iterator[tuple[np.ndarray, int]]:
+    """``_encode_chunk`` of each chunk in worker processes, in order, at most two per worker in flight.
+
+    concurrent.futures never replaces a worker: one whose initializer fails or that dies breaks the pool
+    (BrokenProcessPool), which ends the command (multiprocessing.Pool respawned such workers forever).
+    forkserver, not fork: a fork of a process with threads (torch's, the tokenizer's; a caller's) can
+    inherit a lock another thread held and hang; measured under load when called in-process.
+    """
+    context = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(workers, context, _init_worker, (tokenizer_folder,)) as pool:
+        in_flight: deque[Future[tuple[np.ndarray, int]]] = deque()
+        for chunk in chunks:
+            in_flight.append(pool.submit(_encode_chunk, chunk))
+            if len(in_flight) >= 2 * workers:
+                yield in_flight.popleft().result()
+        while in_flight:
+            yield in_flight.popleft().result()
 
 
 def _encode_chunk(docs: list) -> tuple[np.ndarray, int]:
@@ -191,6 +213,7 @@ def prepare(args: argparse.Namespace) -> None:
     for name in ("chunk_tokens", "workers", "rows_per_shard", "docs_per_task", "seq_len", "max_docs"):
         check_at_least(getattr(args, name), f"--{name.replace('_', '-')}")
     labels = args.data_format != "text"
+    load_tokenizer(args.tokenizer)  # a missing or unreadable tokenizer: one line before any work
     out = Path(args.out)
     check_out_folder(out, args.force)
     stream = args.seq_len is None  # v2: a flat token stream, readable at any seq_len
@@ -211,20 +234,17 @@ def prepare(args: argparse.Namespace) -> None:
     progress = _Progress()
     start = time.perf_counter()
     try:
-        # forkserver, not fork: a fork of a process with threads (torch's, the tokenizer's; a caller's) can
-        # inherit a lock another thread held and hang; measured under load when called in-process.
-        context = multiprocessing.get_context("forkserver")
-        with context.Pool(args.workers, initializer=_init_worker, initargs=(args.tokenizer,)) as pool:
-            for ids, docs in pool.imap(_encode_chunk, _chunks(source, args.docs_per_task, args.max_docs)):
-                progress.update(ids.shape[1])
-                pending.append(ids)
-                n_pending += ids.shape[1]
-                documents += docs
-                while n_pending >= shard_tokens:
-                    flat = np.concatenate(pending, axis=1)
-                    _write_shard(flat[:, :shard_tokens], row_len, out / f"part-{shards:05d}.parquet", labels)
-                    pending, n_pending = [flat[:, shard_tokens:]], flat.shape[1] - shard_tokens
-                    shards, rows = shards + 1, rows + args.rows_per_shard
+        chunks = _chunks(source, args.docs_per_task, args.max_docs)
+        for ids, docs in _encoded_chunks(args.workers, args.tokenizer, chunks):
+            progress.update(ids.shape[1])
+            pending.append(ids)
+            n_pending += ids.shape[1]
+            documents += docs
+            while n_pending >= shard_tokens:
+                flat = np.concatenate(pending, axis=1)
+                _write_shard(flat[:, :shard_tokens], row_len, out / f"part-{shards:05d}.parquet", labels)
+                pending, n_pending = [flat[:, shard_tokens:]], flat.shape[1] - shard_tokens
+                shards, rows = shards + 1, rows + args.rows_per_shard
     finally:
         progress.close()
     flat = np.concatenate(pending, axis=1) if pending else np.zeros((2, 0), np.int32)
@@ -301,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:  # DataError is a ValueError
         print(f"prepare_data.py: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    except BrokenProcessPool as err:
+        print(f"prepare_data.py: error: a tokenizer worker process failed: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
