@@ -107,6 +107,14 @@ def test_generate_refuses_an_unbounded_num_steps(capsys):
     one_error_line(capsys, code, "--num-steps 1000000000", str(MAX_RECURRENCE))
 
 
+def test_generate_refuses_a_lookahead_without_a_draft_or_beyond_memory(capsys):
+    """--lookahead alone would be ignored; a huge one would allocate its verify block and cache columns."""
+    common = ["--checkpoint", str(MODEL), "--prompt", "1 2", "--num-steps", "4"]
+    one_error_line(capsys, generate_main([*common, "--lookahead", "3"]), "--lookahead needs --draft-steps")
+    code = generate_main([*common, "--draft-steps", "1", "--lookahead", "1000000000"])
+    one_error_line(capsys, code, "KV cache", "lookahead")
+
+
 def test_generate_refuses_a_kv_cache_larger_than_free_memory(tmp_path, capsys):
     """1000 prompts decoded together at r = 1024 with full K/V sharing: ~1 TB of cache, refused before the load."""
     prompts = tmp_path / "p.jsonl"

@@ -108,8 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lookahead",
         type=int,
-        default=GenerationOptions.lookahead,
-        help=f"speculative decoding: tokens per draft-and-verify round (default {GenerationOptions.lookahead})",
+        help=f"with --draft-steps: tokens per draft-and-verify round (default {GenerationOptions.lookahead})",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object (see above)")
     return parser
@@ -190,7 +189,10 @@ def check_generation_memory(
     """The largest batch's KV cache (and its returned logits) with the weights fit the device's free memory."""
     rows = min(batch_size, len(encoded))
     assert options.num_steps is not None  # resolved by the caller
-    capacity = max(len(row) for row in encoded) + options.max_new_tokens
+    prompt = max(len(row) for row in encoded)
+    capacity = prompt + options.max_new_tokens
+    if options.draft_steps is not None:  # room for each round's block and the rows' rejected drafts
+        capacity = max(capacity + options.lookahead + 1, decode_program.speculative_columns(prompt, options, rows))
     core = core_slots_per_block(options.kv_sharing, options.num_steps) * model_args.n_core
     slots = model_args.n_prelude + model_args.n_coda + core
     cache = kv_cache_bytes(rows, capacity, slots, model_args.n_kv_heads, model_args.head_dim, dtype.itemsize)
@@ -201,7 +203,7 @@ def check_generation_memory(
         device,
         f"the KV cache of {rows} prompt(s) x {capacity} tokens at {options.num_steps} core iterations "
         f"(kv_sharing {options.kv_sharing}: {slots} attention slots) with the model",
-        hint="lower --num-steps, --batch-size or --max-new-tokens, or use --kv-sharing latest",
+        hint="lower --num-steps, --batch-size, --max-new-tokens or --lookahead, or use --kv-sharing latest",
     )
 
 
@@ -222,7 +224,7 @@ def options_from_args(args: argparse.Namespace, eos_id: int) -> GenerationOption
         compile=args.compile,
         iterations_per_call=args.iterations_per_call,
         draft_steps=args.draft_steps,
-        lookahead=args.lookahead,
+        lookahead=GenerationOptions.lookahead if args.lookahead is None else args.lookahead,
     )
 
 
@@ -230,6 +232,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Check everything, then decode; returns the report."""
     check_at_least(args.batch_size, "--batch-size")
     check_at_least(args.max_new_tokens, "--max-new-tokens")
+    if args.lookahead is not None and args.draft_steps is None:
+        raise ValueError("--lookahead needs --draft-steps (speculative decoding); without it there is no draft")
     if args.num_steps is not None:
         check_recurrence_bound([args.num_steps], "--num-steps")
     if args.dtype not in DTYPES:
