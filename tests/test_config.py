@@ -260,6 +260,11 @@ def test_array_of_tables_errors_carry_the_path(tmp_path):
         (MODEL + ["--recurrence.start", "40"], "recurrence.mean_recurrence (32) must be >= recurrence.start (40)"),
         (MODEL + ["--recurrence.backprop_depth", "0"], "recurrence.backprop_depth must be >= 1, got 0"),
         (
+            MODEL + ["--recurrence.mean_recurrence", "1000000000"],
+            "recurrence.mean_recurrence 1000000000 is outside [1, 1024]",
+        ),
+        (MODEL + ["--validation.recurrences", "2,5000"], "validation.recurrences 5000 is outside [1, 1024]"),
+        (
             MODEL + ["--lr_scheduler.warmup_fraction", "0.5"],
             "lr_scheduler.warmup_fraction + decay_fraction must be <= 1",
         ),

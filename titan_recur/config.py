@@ -26,6 +26,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from titan_recur.models.args import DEFAULT_BACKPROP_DEPTH, DEFAULT_SEED, DEFAULT_SIGMA, PRESETS
+from titan_recur.utils.limits import MAX_RECURRENCE
 from titan_recur.utils.resources import find_config
 
 # Activation checkpointing modes of the parallelize recipe (their FLOP cost is in titan_recur.training.cost_model).
@@ -908,6 +909,13 @@ def validate(cfg: JobConfig) -> None:
     _require(spike == 0 or spike > 1, f"training.loss_spike_factor must be 0 (off) or > 1, got {spike}")
     recurrences = cfg.validation.recurrences
     _require(all(n >= 1 for n in recurrences), f"validation.recurrences must all be >= 1, got {recurrences}")
+    # Beyond the bound a step would run until the watchdog called it a stall.
+    for name, values in (("recurrence.mean_recurrence", [r.mean_recurrence]), ("validation.recurrences", recurrences)):
+        bad = [n for n in values if n > MAX_RECURRENCE]
+        _require(
+            not bad,
+            f"{name} {bad[0] if bad else 0} is outside [1, {MAX_RECURRENCE}] (the core iterations a run accepts)",
+        )
     peak = cfg.metrics.peak_flops
     _require(peak is None or peak > 0, f"metrics.peak_flops must be > 0, got {peak}")
     _validate_profiling(cfg.profiling, t.steps)
