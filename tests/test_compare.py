@@ -247,6 +247,7 @@ def test_in_process_loss_only_with_progress(mini: Path) -> None:
         (["{static}", "--task", "/nonexistent/task.yaml"], ["no such task file"]),
         (["{static}", "--data", "/nonexistent.jsonl"], ["--data"]),
         (["{static}", "--recurrences", "0,2", "--data", "{data}"], ["--recurrences"]),
+        (["{static}", "--recurrences", "2,100000", "--data", "{data}"], ["--recurrences 100000", "1024"]),
         (["{static}", "{static}", "--labels", "a", "--data", "{data}"], ["--labels"]),
         (["{static}", "--world-size", "1", "--data", "{data}"], ["written by 2 rank"]),
     ],

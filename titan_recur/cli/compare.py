@@ -18,6 +18,7 @@ from pathlib import Path
 
 from titan_recur.config import DATA_FORMATS, ConfigError
 from titan_recur.storage.checkpoint import CheckpointError
+from titan_recur.utils.limits import check_recurrence_bound
 
 EPILOG = """\
 examples:
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--data {ns.data}: no such file")
         if min(ns.batch_size, ns.max_gen_toks, ns.loss_batches, ns.loss_batch_size, ns.seq_len or 1) < 1:
             raise ValueError("--batch-size, --max-gen-toks, --loss-batches, --loss-batch-size, --seq-len must be >= 1")
+        check_recurrence_bound(ns.recurrences, "--recurrences")
         if ns.world_size is not None and ns.world_size < 1:
             raise ValueError(f"--world-size must be >= 1, got {ns.world_size}")
         for folder in ns.runs:
