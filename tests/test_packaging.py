@@ -173,3 +173,13 @@ def test_checkout_resources_are_the_top_level_folders(tmp_path, monkeypatch):
     (tmp_path / "train_configs" / "debug_model.toml").write_text("")
     assert find_config("train_configs/debug_model.toml") == "train_configs/debug_model.toml"  # a local file wins
     assert find_config("nope.toml") == "nope.toml" and find_config("/abs/nope.toml") == "/abs/nope.toml"
+
+
+def test_every_console_script_is_in_the_readme_table_and_the_wheel_check():
+    """A command users install is listed where they look for it and run from a fresh venv by the wheel check."""
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    readme, wheel_check = (REPO / "README.md").read_text(), (REPO / "tools" / "check_wheel.sh").read_text()
+    assert [s for s in scripts if f"| `{s}` |" not in readme] == []
+    assert [s for s in scripts if f'"$BIN/{s}"' not in wheel_check] == []

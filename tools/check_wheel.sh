@@ -75,6 +75,10 @@ ok
 step "titan-recur-export"
 "$BIN/titan-recur-export" run/final_model hf_export > /dev/null && test -f hf_export/config.json && ok
 
+step "titan-recur-generate"  # greedy tokens from the trained run, two core iterations each
+"$BIN/titan-recur-generate" --checkpoint run/final_model --prompt "1 + 1 =" --max-new-tokens 3 --num-steps 2 \
+    --json > generate.json && grep -q '"prompts"' generate.json && ok
+
 step "titan-recur-analyze-layers"
 "$BIN/titan-recur-analyze-layers" --help > /dev/null && ok
 
