@@ -498,7 +498,8 @@ class _FastSpeculation:
         for _ in range(drafts):
             program.step()
             tokens.append(program.token[:bsz, 0].clone())
-            logits.append(program.logits[:bsz].clone())
+            if self.opts.temperature > 0:  # only sampling's acceptance reads the drafts' logits
+                logits.append(program.logits[:bsz].clone())
         return tokens, logits
 
     def verify(self, block: torch.Tensor, real: torch.Tensor, start: int, keys: torch.Tensor) -> torch.Tensor:
