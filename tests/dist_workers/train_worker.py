@@ -105,9 +105,28 @@ def run_steps(trainer: Trainer, args: argparse.Namespace) -> dict:
         original_step()
 
     trainer.optimizers.step = step_recording_grads
-    records = train_fixed_steps(trainer, args)
+    with fsdp_modules_without_forward(trainer) as silent:
+        records = train_fixed_steps(trainer, args)
     params = {clean_name(n): full(p) for n, p in trainer.model.named_parameters()}
-    return {"losses": [r["loss"] for r in records], "grads": grads, "params": params}
+    return {"losses": [r["loss"] for r in records], "grads": grads, "params": params, "silent_fsdp_modules": silent}
+
+
+@contextlib.contextmanager
+def fsdp_modules_without_forward(trainer: Trainer):
+    """Names of the modules given to fully_shard whose forward never ran during the block: FSDP's
+    unshard/reshard and gradient reduce-scatter of such a module run outside its schedule."""
+    from torch.distributed.fsdp import FSDPModule
+
+    ran: set[str] = set()
+    modules = {clean_name(n): m for n, m in trainer.model.named_modules() if isinstance(m, FSDPModule)}
+    handles = [m.register_forward_hook(lambda *_, n=n: ran.add(n)) for n, m in modules.items()]
+    silent: list[str] = []
+    try:
+        yield silent
+    finally:
+        for handle in handles:
+            handle.remove()
+        silent.extend(sorted(set(modules) - ran))
 
 
 def train_fixed_steps(trainer: Trainer, args: argparse.Namespace, after_step=lambda: None) -> list[dict]:

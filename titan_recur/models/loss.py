@@ -27,6 +27,14 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
 
 
+def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """The summed next-token loss of final-norm hidden states projected by the head ``weight``; chunk by chunk
+    (never the full logits) when chunk_tokens > 0."""
+    if chunk_tokens > 0:
+        return chunked_cross_entropy_sum(hidden, weight, labels, chunk_tokens)
+    return cross_entropy_sum(F.linear(hidden, weight), labels)
+
+
 def chunked_cross_entropy_sum(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int
 ) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 from titan_recur.models.args import DEFAULT_BACKPROP_DEPTH, ModelArgs
 from titan_recur.models.blocks import AttentionContext, RMSNorm, TransformerBlock
 from titan_recur.models.cache import KVCache
-from titan_recur.models.loss import chunked_cross_entropy_sum, cross_entropy_sum
+from titan_recur.models.loss import head_loss
 from titan_recur.models.rope import rope_cos_sin, rope_inverse_frequencies
 
 NumSteps = int | tuple[int, int] | None
@@ -192,6 +192,22 @@ def init_identity_adapter(weight: torch.Tensor) -> None:
     weight[:, dim:].copy_(torch.eye(dim, dtype=weight.dtype, device=weight.device))
 
 
+class LMHead(nn.Linear):
+    """The output projection. Given labels, its forward returns the summed next-token loss instead of the
+    logits (chunked when loss_chunk_tokens > 0), so the loss runs inside the head's own forward: a sharded
+    head is then gathered, resharded and reduce-scattered on FSDP's schedule, like every other unit."""
+
+    def __init__(self, dim: int, vocab_size: int) -> None:
+        super().__init__(dim, vocab_size, bias=False)
+
+    def forward(
+        self, hidden: torch.Tensor, labels: torch.Tensor | None = None, loss_chunk_tokens: int = 0
+    ) -> torch.Tensor:
+        if labels is None:
+            return super().forward(hidden)
+        return head_loss(hidden, self.weight, labels, loss_chunk_tokens)
+
+
 class RecurrentLM(nn.Module):
     """Depth-recurrent LM; with ``n_core == 0`` it is the plain static source model (baselines).
 
@@ -207,7 +223,7 @@ class RecurrentLM(nn.Module):
         self.core = RecurrentCore(args) if args.is_recurrent else None
         self.coda = nn.ModuleList(TransformerBlock(args, ("coda", i)) for i in range(args.n_coda))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.lm_head = None if args.tie_embeddings else LMHead(args.dim, args.vocab_size)
         # RoPE frequencies per device. Not a buffer: .to(dtype) would round them (bf16 is ~1 rad off per
         # 1000 positions) and to_empty would wipe them; they are a pure function of the config.
         self._rope_inv_freq: dict[torch.device, torch.Tensor] = {}
@@ -241,7 +257,7 @@ class RecurrentLM(nn.Module):
         labels: (B, T) next-token targets aligned with the positions (already shifted, IGNORE_INDEX
         for no loss); the loss is computed here, inside the model's forward, so that a sharded head
         is gathered for it. loss_chunk_tokens > 0 computes it chunk by chunk, never holding the full
-        logits (``chunked_cross_entropy_sum``).
+        logits (``head_loss``).
         inputs_embeds: (B, T, d) embeddings in place of ``input_ids`` (give exactly one).
         on_hidden_state: if given, called with each hidden state (B, T, d) in order: the embeddings, each
         prelude block's output, the state after each core iteration, each coda block's output and the
@@ -302,10 +318,12 @@ class RecurrentLM(nn.Module):
         return CoreResult(core.iterate(state, injected, iteration_contexts(ctx, 0, total), on_state=on_hidden_state))
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor, loss_chunk_tokens: int) -> torch.Tensor:
-        """The summed next-token loss of final-norm hidden states (chunked when loss_chunk_tokens > 0)."""
-        if loss_chunk_tokens > 0:
-            return chunked_cross_entropy_sum(hidden, self.head_weight(), labels, loss_chunk_tokens)
-        return cross_entropy_sum(self.head(hidden), labels)
+        """The summed next-token loss of final-norm hidden states (chunked when loss_chunk_tokens > 0).
+
+        An untied head computes it in its own forward (``LMHead``); a tied one is the root's embedding."""
+        if self.lm_head is None:
+            return head_loss(hidden, self.embed_tokens.weight, labels, loss_chunk_tokens)
+        return self.lm_head(hidden, labels, loss_chunk_tokens)
 
     def embed_and_prelude(
         self,
