@@ -10,9 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun_util import REPO_ROOT, run_torchrun
+from tests.torchrun_util import DEBUG_CONFIG, REPO_ROOT, run_torchrun
+from titan_recur import RecurrentLM
+from titan_recur.config import load_config
 from titan_recur.storage.model_io import read_model_args
 from titan_recur.training import cost_model
+from titan_recur.training.optim import build_optimizers
+from titan_recur.training.profiling import STEP_PHASES
 
 MODEL = REPO_ROOT / "assets" / "tiny_llama_recurrent"
 
@@ -49,6 +53,16 @@ def test_bench_step_runs_the_fsdp_trainer_step_and_reports_mfu(tmp_path: Path):
     assert point["mfu"] == pytest.approx(per_token * point["tokens_per_sec_per_device"] / 1e12, rel=1e-12)
     assert point["tokens_per_sec_per_device"] == pytest.approx(2 * 32 / point["step_seconds"], rel=1e-12)
     assert point["no_grad_iteration_ms"] is not None and point["grad_iteration_ms"] is not None
+    # The step's split: each phase measured, the rest (scalars' all-reduce, clipping, data) is "other".
+    phases = [point[f"{name}_seconds"] for name in STEP_PHASES]
+    assert all(seconds > 0 for seconds in phases)
+    assert point["other_seconds"] == pytest.approx(point["step_seconds"] - sum(phases), rel=1e-9, abs=1e-12)
+    args = read_model_args(MODEL)
+    assert point["paper_flops_per_token"] == cost_model.paper_flops_per_token(args, 3, 1)
+    cfg = load_config(DEBUG_CONFIG, [])
+    muon = build_optimizers(RecurrentLM(args), cfg.optimizer, cfg.lr_scheduler, 1).optimizers[0]
+    assert point["optimizer_flops_per_step"] == muon.orthogonalisation_flops() > 0
+    assert point["peak_memory_gib"] is None and point["estimated_memory_gib"] > 0  # no allocator peak on a CPU
 
 
 def test_bench_loss_chunked_peak_below_plain():

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.utils.flop_counter import FlopCounterMode
 
 from tests.tiny_models import tiny_args
 from tests.tiny_models import tiny_model as shared_tiny_model
@@ -22,6 +23,7 @@ from titan_recur.training.optim import (
     shard_rows,
     split_params_for_muon,
     wsd_factor,
+    zeropower_via_newtonschulz,
 )
 
 SHAPES = [(8, 5), (5, 8), (6, 6), (1, 4), (12, 3)]
@@ -117,6 +119,18 @@ def test_fused_group_equals_concatenated_matrix() -> None:
         ref.step()
     assert torch.equal(torch.cat([q, k, v]), fused)
     assert torch.equal(other, other_ref)
+
+
+def test_orthogonalisation_flops_equal_torchs_flop_counter() -> None:
+    """The optimizer's FLOPs bench_step reports: every unit's Newton-Schulz matmuls, fused q,k,v counted
+    as one matrix, as torch's FLOP counter counts the function itself."""
+    q, k, v = (torch.nn.Parameter(torch.randn(rows, 6)) for rows in (4, 2, 2))
+    tall, wide = torch.nn.Parameter(torch.randn(12, 3)), torch.nn.Parameter(torch.randn(3, 7))
+    opt = Muon([q, k, v, tall, wide], ns_steps=3, fuse_groups=[[q, k, v]])
+    with FlopCounterMode(display=False) as counter:
+        for update in (torch.cat([q, k, v]), tall, wide):
+            zeropower_via_newtonschulz(update.detach(), (3.4445, -4.7750, 2.0315), 3, 1e-7)
+    assert opt.orthogonalisation_flops() == counter.get_total_flops() > 0
 
 
 def test_fuse_group_validation() -> None:

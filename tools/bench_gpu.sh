@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The training step on one GPU: Llama-3.2-1B 4,6,4 (random init), bf16 FSDP2, r in {4, 8, 32} (k = min(r, 8)),
-# seq 1024 and 4096, compile on/off, each AC mode. Prints one line per point (tokens/s, MFU, peak memory,
-# no-grad and grad iteration times) and writes all points as JSON lines to $OUT (default outputs/bench_gpu.jsonl).
+# seq 1024 and 4096, compile on/off, each AC mode. Prints two lines per point (tokens/s, MFU in both conventions,
+# peak memory against the preflight's estimate, no-grad and grad iteration times; the step's forward / backward /
+# optimizer split) and writes all points as JSON lines to $OUT (default outputs/bench_gpu.jsonl).
 #   bash tools/bench_gpu.sh            # the full grid (~36 points)
 #   QUICK=1 bash tools/bench_gpu.sh    # r 8 and 32 at seq 1024, compile on, AC per_iteration and none (4 points)
 # Then decoding (DECODE=0 skips it): the same shape at r = 32, bf16, prompt 32, 128 new tokens, batch 1, 8 and 64,
@@ -22,7 +23,7 @@ point() {  # r seq compile ac
                --ac-mode "$ac" --steps "${STEPS:-10}" --warmup 3)
   [ "$compile" = 1 ] && flags+=(--compile)
   $PY -m torch.distributed.run --standalone --nproc-per-node 1 tools/bench_step.py "${flags[@]}" --jsonl "$OUT" \
-    | tail -n 1 || echo "r=$r seq $seq compile $compile ac $ac: failed (e.g. out of memory; see above)"
+    | tail -n 2 || echo "r=$r seq $seq compile $compile ac $ac: failed (e.g. out of memory; see above)"
 }
 
 if [ "${QUICK:-0}" = 1 ]; then

@@ -37,11 +37,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--loss-chunk-tokens", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup)")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 1: the first compiles)")
     parser.add_argument("--peak-flops", type=float, help="per-device peak FLOP/s (default: the device table)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--jsonl", type=Path, help="also append the result as one JSON line to this file")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be >= 1")
+    return args
 
 
 def trainer_overrides(args: argparse.Namespace, dump: str) -> list[str]:
@@ -97,12 +100,14 @@ def trainer_overrides(args: argparse.Namespace, dump: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Time the step at (n, k), then at (n + 4, k) and (n, k + 2): the differences are the cost of one
-    no-grad and one grad iteration inside the real step (changing (n, k) compiles nothing new)."""
+    """Time the step at (n, k), split into its phases, then at (n + 4, k) and (n, k + 2): the differences are
+    the cost of one no-grad and one grad iteration inside the real step (changing (n, k) compiles nothing new)."""
     import torch
 
     from titan_recur.config import load_config
     from titan_recur.training import cost_model
+    from titan_recur.training.optim import Muon
+    from titan_recur.training.profiling import STEP_PHASES
     from titan_recur.training.trainer import Trainer
 
     n, k = (int(v) for v in args.num_steps.split(","))
@@ -131,16 +136,25 @@ def run(args: argparse.Namespace) -> dict:
                 torch.cuda.synchronize()
             return (time.perf_counter() - start) / steps
 
-        seconds_per_step((n, k), args.warmup)
+        first_step = seconds_per_step((n, k), 1)
+        if args.warmup > 1:
+            seconds_per_step((n, k), args.warmup - 1)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        trainer.phases.enabled = True
         seconds = seconds_per_step((n, k), args.steps)
-        memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+        phases = {name: total / args.steps for name, total in trainer.phases.seconds().items()}
+        trainer.phases.enabled = False
+        memory = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
         recurrent = trainer.model_args.is_recurrent
         no_grad_ms = 1000 * (seconds_per_step((n + 4, k), args.steps) - seconds) / 4 if recurrent else None
         grad_ms = 1000 * (seconds_per_step((n, k + 2), args.steps) - seconds) / 2 if recurrent else None
+        world = trainer.dist.world_size
         tokens = args.local_batch * args.seq_len * trainer.grad_accum
         per_token = cost_model.training_flops_per_token(trainer.model_args, (n, k), args.seq_len, args.ac_mode)
+        paper_per_token = cost_model.paper_flops_per_token(trainer.model_args, n + k, k)
+        muon = next((opt for opt in trainer.optimizers.optimizers if isinstance(opt, Muon)), None)
+        estimate = cost_model.memory_estimate(trainer.cfg, trainer.model_args, world, device.type).total
         peak = trainer.metrics.peak_flops
         result = {
             "model": args.preset or args.model,
@@ -148,16 +162,24 @@ def run(args: argparse.Namespace) -> dict:
             "num_steps": [n, k],
             "seq_len": args.seq_len,
             "local_batch": args.local_batch,
-            "world_size": trainer.dist.world_size,
+            "world_size": world,
             "ac_mode": args.ac_mode,
             "compile": args.compile,
             "device": str(device),
             "step_seconds": seconds,
+            **{f"{name}_seconds": phases[name] for name in STEP_PHASES},
+            "other_seconds": seconds - sum(phases.values()),
+            "compile_seconds": first_step - seconds,
             "tokens_per_sec_per_device": tokens / seconds,
             "model_flops_per_token": per_token.total,
+            "paper_flops_per_token": paper_per_token,
+            "optimizer_flops_per_step": None if muon is None else muon.orthogonalisation_flops(),
             "peak_flops": peak,
             "mfu": cost_model.mfu(per_token.total * tokens / seconds, peak),
-            "peak_memory_gib": memory,
+            "mfu_paper": cost_model.mfu(paper_per_token * tokens / seconds, peak),
+            "peak_memory_gib": None if memory is None else memory / 2**30,
+            "estimated_memory_gib": estimate / 2**30,
+            "memory_vs_estimate": None if memory is None else memory / estimate,
             "no_grad_iteration_ms": no_grad_ms,
             "grad_iteration_ms": grad_ms,
         }
@@ -171,20 +193,35 @@ def main(argv: list[str] | None = None) -> None:
     if args.jsonl:
         with args.jsonl.open("a") as out:
             out.write(json.dumps(result) + "\n")
-    if args.json:
-        print(json.dumps(result))
-        return
-    mfu = "n/a" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"
+    print(json.dumps(result) if args.json else describe(result))
+
+
+def describe(result: dict) -> str:
+    """The result as two lines: throughput, MFU in both conventions and memory; the step's time split."""
+
+    def ms(seconds: float | None) -> str:
+        return "n/a" if seconds is None else f"{1000 * seconds:.2f} ms"
+
+    def percent(v: float | None) -> str:
+        return "n/a" if v is None else f"{100 * v:.1f}%"
+
     mem = "n/a" if result["peak_memory_gib"] is None else f"{result['peak_memory_gib']:.1f} GiB"
-
-    def ms(v):
-        return "n/a" if v is None else f"{v:.2f} ms"
-
-    print(
-        f"{result['model']} {result['shape'] or ''} (n,k)={tuple(result['num_steps'])} seq {args.seq_len} "
-        f"batch {args.local_batch} ac {args.ac_mode} compile {args.compile}: "
-        f"{result['tokens_per_sec_per_device']:,.0f} tok/s/device, MFU {mfu}, peak {mem}, "
-        f"no-grad iteration {ms(result['no_grad_iteration_ms'])}, grad iteration {ms(result['grad_iteration_ms'])}"
+    phases = [key.removesuffix("_seconds") for key in result if key.endswith("_seconds") and key != "step_seconds"]
+    split = ", ".join(f"{name} {ms(result[f'{name}_seconds'])}" for name in phases if name != "compile")
+    optimizer_flops = result["optimizer_flops_per_step"]
+    iterations = [
+        None if v is None else v / 1000 for v in (result["no_grad_iteration_ms"], result["grad_iteration_ms"])
+    ]
+    return (
+        f"{result['model']} {result['shape'] or ''} (n,k)={tuple(result['num_steps'])} seq {result['seq_len']} "
+        f"batch {result['local_batch']} ac {result['ac_mode']} compile {result['compile']} world "
+        f"{result['world_size']}: {result['tokens_per_sec_per_device']:,.0f} tok/s/device, MFU "
+        f"{percent(result['mfu'])} (paper convention {percent(result['mfu_paper'])}), peak {mem} (preflight "
+        f"estimate {result['estimated_memory_gib']:.3g} GiB), no-grad iteration {ms(iterations[0])}, grad "
+        f"iteration {ms(iterations[1])}\n"
+        f"  step {ms(result['step_seconds'])} = {split}; the first step took {ms(result['compile_seconds'])} more "
+        f"(compilation, first allocations); Muon's Newton-Schulz: "
+        f"{'n/a' if optimizer_flops is None else f'{optimizer_flops:.3g}'} FLOPs per step over all ranks"
     )
 
 

@@ -52,6 +52,13 @@ def zeropower_via_newtonschulz(
     return x.T if transposed else x
 
 
+def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
+    """Matmul FLOPs of ``zeropower_via_newtonschulz`` on a (rows x cols) update, m the smaller side: per
+    iteration X X^T (2 m^2 n), the quintic's A A (2 m^3) and its product with X (2 m^2 n)."""
+    m, n = sorted((rows, cols))
+    return steps * (4 * m * m * n + 2 * m**3)
+
+
 @dataclass
 class _Unit:
     """Parameters orthogonalised as one matrix (their rows concatenated), plus their Nesterov updates."""
@@ -149,6 +156,15 @@ class Muon(torch.optim.Optimizer):
                 emitted.add(id(members[0]))
                 units.append(members)
         return units
+
+    def orthogonalisation_flops(self) -> int:
+        """Newton-Schulz FLOPs of one step, every unit counted once: summed over the ranks of a shard group,
+        each of which orthogonalises only the units it owns."""
+        return sum(
+            newton_schulz_flops(sum(p.shape[0] for p in members), members[0].shape[1], group["ns_steps"])
+            for group in self.param_groups
+            for members in self._group_units(group)
+        )
 
     def _nesterov_update(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """Advance the (sharded) momentum buffer; return the local shard of the Nesterov update."""

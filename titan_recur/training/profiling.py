@@ -8,11 +8,12 @@ steps. Files go under ``job.dump_folder/<save_folder>/step-N/``, one set per ran
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from titan_recur.config import Profiling
 
@@ -62,3 +63,50 @@ class StepProfiler:
             (out.parent / f"rank{self.rank}_memory.txt").write_text(table + "\n")
         if self.rank == 0:
             print(f"[titan_recur] profile of step {step} written to {out.parent}", flush=True)
+
+
+# The labelled phases of a training step, in order: trace ranges and `PhaseTimer`'s keys.
+STEP_PHASES = ("forward", "backward", "optimizer")
+
+
+class PhaseTimer:
+    """Each phase of the training step is a `record_function` range (what a trace labels); when ``enabled``,
+    its seconds are also summed: CUDA events on a GPU (read in ``seconds``, so the step itself never waits
+    for the device), the wall clock on a CPU, where kernels run as they are called."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.enabled = False
+        self._wall: dict[str, float] = dict.fromkeys(STEP_PHASES, 0.0)
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if name not in STEP_PHASES:
+            raise ValueError(f"step phases are {STEP_PHASES}, got {name!r}")
+        with record_function(name):
+            if not self.enabled:
+                yield
+            elif self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                yield
+                end.record()
+                self._events.append((name, start, end))
+            else:
+                began = time.perf_counter()
+                yield
+                self._wall[name] += time.perf_counter() - began
+
+    def seconds(self) -> dict[str, float]:
+        """Seconds per phase since the last ``reset``, every phase listed."""
+        totals: dict[str, float] = {name: self._wall[name] for name in STEP_PHASES}
+        if self._events:
+            torch.cuda.synchronize()
+        for name, start, end in self._events:
+            totals[name] += start.elapsed_time(end) / 1000
+        return totals
+
+    def reset(self) -> None:
+        self._wall = dict.fromkeys(STEP_PHASES, 0.0)
+        self._events.clear()

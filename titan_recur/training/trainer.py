@@ -23,7 +23,6 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.profiler import record_function
 
 from titan_recur.config import ConfigError, JobConfig, config_to_dict, config_to_json, grad_accum_steps, parse_args
 from titan_recur.data.loader import DataError, build_dataloader, check_data_config
@@ -55,7 +54,7 @@ from titan_recur.training.fingerprint import check_unchanged, run_fingerprint
 from titan_recur.training.metrics import MetricsLogger, import_wandb
 from titan_recur.training.optim import build_optimizers, clip_coefficient, grad_square_sum, scale_grads_
 from titan_recur.training.parallelize import build_dp_mesh, forward_autocast
-from titan_recur.training.profiling import StepProfiler
+from titan_recur.training.profiling import PhaseTimer, StepProfiler
 from titan_recur.training.recurrence import RecurrenceSchedule
 from titan_recur.training.validation import Validator
 from titan_recur.training.watchdog import EXIT_STALLED, StepWatchdog, heartbeat_store
@@ -180,6 +179,7 @@ class Trainer:
         self.training = False  # the loop has started: failures from now on name the step and last checkpoint
         self.watchdog = StepWatchdog(cfg.training.step_timeout_s, self.dist.rank, self.dist.world_size)
         self.profiler = StepProfiler(cfg.profiling, self.dump, self.dist.rank, self.dist.device)
+        self.phases = PhaseTimer(self.dist.device)  # timing off: the benchmark turns it on
         self.dump_lock: DumpFolderLock | None = None
 
     def _load_tokenizer(self):
@@ -364,7 +364,7 @@ class Trainer:
         input_ids = batch["input_ids"].to(self.dist.device, non_blocking=True)
         labels = batch["labels"].to(self.dist.device, non_blocking=True)
         with (
-            record_function("forward"),
+            self.phases.phase("forward"),
             forward_autocast(self.dist.device.type, t.mixed_precision_param, t.mixed_precision_mode),
         ):
             loss_sum = self.model(input_ids, (n, k), labels=labels, loss_chunk_tokens=t.loss_chunk_tokens)
@@ -372,7 +372,7 @@ class Trainer:
             loss_sum = loss_sum * float("nan")
         if self.step == self.cfg.debug.inject_spike_at_step:
             loss_sum = loss_sum * 1000
-        with record_function("backward"):
+        with self.phases.phase("backward"):
             loss_sum.backward()
         return loss_sum.detach(), count_labels(labels)
 
@@ -413,7 +413,7 @@ class Trainer:
             return None
         scale_grads_(params, grad_scale * clip_coefficient(grad_norm, self.cfg.training.max_norm))
         lrs = self.optimizers.current_lrs()
-        with record_function("optimizer"):
+        with self.phases.phase("optimizer"):
             self.optimizers.step()
         self.optimizers.step_schedulers()
         self.optimizers.zero_grad()
