@@ -1,6 +1,6 @@
 """The exported code on the oldest supported transformers (4.57, the .venv-hf4 overlay of tools/compat_env.sh)
 and on the pinned 5.x, each in a process that cannot import titan_recur: titan_recur's logits exactly,
-greedy and beam generation, the tokenizer without a prompt, a training step with gradient checkpointing."""
+greedy, beam and assisted generation, the tokenizer without a prompt, a training step with gradient checkpointing."""
 
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ common = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_
 greedy = model.generate(ids, **common)[:, ids.shape[1]:]
 beams = [model.generate(ids, num_beams=3, use_cache=cache, **common).tolist() for cache in (True, False)]
 result["beams_equal_without_cache"] = beams[0] == beams[1]
+# Assisted decoding by the same export at depth 1 (one row: transformers assists batch 1 only) crops the caches.
+assistant = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, num_steps=1).eval()
+row = {**common, "attention_mask": mask[-1:]}
+assisted = model.generate(ids[-1:], assistant_model=assistant, **row)
+result["assisted_equals_greedy"] = torch.equal(assisted, model.generate(ids[-1:], **row))
 # transformers 5 reads the model config (custom code) to pick a tokenizer: trust_remote_code=False skips
 # the question; 4.x reads tokenizer_config.json only.
 kwargs = {"trust_remote_code": False} if transformers.__version__.startswith("5.") else {}
@@ -103,7 +108,7 @@ def test_export_runs_on_transformers(
         for r in (1, 3):
             assert torch.equal(outputs["logits"][r], reference(ids, r, attention_mask=mask, state_init="zero")), r
     assert torch.equal(outputs["greedy"], greedy_generate(reference, ids, 6, attention_mask=mask, num_steps=3))
-    assert result["beams_equal_without_cache"]
+    assert result["beams_equal_without_cache"] and result["assisted_equals_greedy"]
     from titan_recur.data.tokenizer import load_tokenizer
 
     expected_ids = load_tokenizer(model_dir).encode("What is 3 + 4?", bos=True, eos=False)

@@ -177,3 +177,38 @@ def test_speculative_generate_equals_greedy_at_the_target_depth(exported: Path, 
         model.generate(ids, max_new_tokens=2, num_steps=8, draft_steps=8)
     with pytest.raises(ValueError, match="draft_steps run in titan_recur's engine, which cannot serve beam_search"):
         model.generate(ids, max_new_tokens=2, num_beams=2, num_steps=8, draft_steps=2)
+
+
+def test_assisted_decoding_by_a_shallower_copy_equals_greedy(exported: Path, model_dir: Path) -> None:  # noqa: F811
+    """`assistant_model=` the same export at depth 1 drafts; the main model verifies at its own depth: greedy's
+    tokens. The assistant runs at its own depth, not at the num_steps given to the main model's generate."""
+    model = load(exported).eval()
+    assistant = load(exported, num_steps=1).eval()
+    ids = batch(shape=(1, 6))
+    forwards, core_calls = [], []
+    assistant.register_forward_pre_hook(lambda *_: forwards.append(1))
+    assistant.model.core.blocks[0].register_forward_pre_hook(lambda *_: core_calls.append(1))
+    reference = load_model(model_dir)
+    for num_steps in (None, 6):
+        expected = greedy_generate(reference, ids, 16, num_steps=num_steps or MEAN)
+        drafts = assistant.generate(ids, max_new_tokens=16, eos_token_id=None)[:, 6:]
+        assert not torch.equal(drafts, expected), "the assistant never disagreed: the test could not fail"
+        forwards.clear()
+        core_calls.clear()
+        assisted = model.generate(
+            ids, max_new_tokens=16, eos_token_id=None, num_steps=num_steps, assistant_model=assistant
+        )
+        assert torch.equal(assisted[:, 6:], expected)
+        assert len(core_calls) == len(forwards) > 0  # one core iteration per assistant forward
+
+
+def test_cache_crop_follows_both_transformers_conventions() -> None:
+    """transformers 5 crops by -(columns to drop) and crop(0) drops none; 4.57 passes the columns to keep."""
+    from titan_recur.hf.modeling_titan_recur import TransformersKVCache
+
+    sizes = dict(n_prelude=1, n_core=1, n_coda=1, n_kv_heads=1, head_dim=2, num_steps=1)
+    cache = TransformersKVCache(batch_size=1, capacity=16, **sizes)
+    cache.advance(10)
+    for argument, length in ((0, 10), (-2, 8), (5, 5), (7, 5)):
+        cache.crop(argument)
+        assert cache.get_seq_length() == length, argument

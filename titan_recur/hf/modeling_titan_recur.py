@@ -301,6 +301,10 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         from torch's global RNG (``torch.manual_seed``), else from ``seed`` when given.
         """
         config, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)  # type: ignore[misc]
+        if config.is_assistant:
+            # A draft call of transformers' assisted decoding carries the main model's kwargs: the assistant keeps
+            # its own depth (its config's num_steps, else mean_recurrence) and state init.
+            num_steps = state_init = None
         served_inputs = {k: v for k, v in model_kwargs.items() if k not in IGNORED_INPUTS}
         stopping_criteria = served_inputs.pop("stopping_criteria", None)
         blockers = self.engine_blockers(config, served_inputs, input_ids)
@@ -488,13 +492,19 @@ class TransformersKVCache(KVCache):
 
     is_croppable = True
     is_compileable = False  # transformers' generate compiles the forward of static caches only
+    is_linear = [False]  # per layer (transformers 5): attention K/V only, no recurrent (Mamba-like) state
 
     def activate_past_recording(self) -> None:
         """transformers 5 calls it before verifying drafts; every written column stays until ``crop``."""
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """transformers 5's crop: drop the last ``-tokens_to_remove`` columns (0: none), the rejected drafts'."""
-        super().crop(self.length - abs(tokens_to_remove))
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns cached (every layer holds the same): assisted decoding crops the assistant's cache to its input."""
+        return self.length
+
+    def crop(self, max_length: int) -> None:
+        """Drop rejected drafts: transformers 5 passes -(columns to drop), 0 dropping none; 4.x the columns to keep."""
+        if max_length:
+            super().crop(max_length)
 
 
 @dataclass
