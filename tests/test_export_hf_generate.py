@@ -212,3 +212,23 @@ def test_cache_crop_follows_both_transformers_conventions() -> None:
     for argument, length in ((0, 10), (-2, 8), (5, 5), (7, 5)):
         cache.crop(argument)
         assert cache.get_seq_length() == length, argument
+
+
+@pytest.mark.parametrize(
+    "strategy", [dict(), dict(do_sample=True, top_k=0), dict(num_beams=2), dict(num_steps=4, draft_steps=1)]
+)
+def test_right_padding_warns_once_on_every_path(
+    exported: Path,  # noqa: F811
+    strategy: dict,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A 0 after a 1 in a row of the attention mask: one warning, as transformers' (engine and transformers paths)."""
+    model = load(exported).eval()
+    ids = batch(shape=(2, 6))
+    right = torch.ones_like(ids)
+    right[0, 4:] = 0
+    for mask, warnings in ((right, 1), (right.flip(1), 0)):
+        caplog.clear()  # pytest captures transformers' own records too
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, eos_token_id=None, pad_token_id=0, **strategy)
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum("right-padding was detected" in m for m in messages) == warnings, messages

@@ -16,6 +16,7 @@ cache rows.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,11 @@ CALL_DEFAULTS: dict[str, Any] = {
     "recurrence_seed": DEFAULT_SEED,
     "recurrence_mean_offset": True,
 }
+# transformers' warning, given once by every generate path (transformers' own checks the last column only).
+RIGHT_PADDING_WARNING = (
+    "A decoder-only architecture is being used, but right-padding was detected! For correct generation results, "
+    "please set `padding_side='left'` when initializing the tokenizer."
+)
 # Generation kwargs handed on to forward; the rest (cache_position, position_ids, ...) the model derives itself.
 FORWARD_KWARGS = ("num_steps", "state_init", "use_cache", "output_hidden_states", "output_attentions", "return_dict")
 
@@ -305,6 +311,8 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             # A draft call of transformers' assisted decoding carries the main model's kwargs: the assistant keeps
             # its own depth (its config's num_steps, else mean_recurrence) and state init.
             num_steps = state_init = None
+        if attention_mask is not None and is_right_padded(attention_mask):
+            logger.warning(RIGHT_PADDING_WARNING)
         served_inputs = {k: v for k, v in model_kwargs.items() if k not in IGNORED_INPUTS}
         stopping_criteria = served_inputs.pop("stopping_criteria", None)
         blockers = self.engine_blockers(config, served_inputs, input_ids)
@@ -423,17 +431,22 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
                 raise ValueError("assisted decoding needs input_ids or inputs_embeds: its cache is sized from them")
             kwargs = {CACHE_FIELD: self.new_cache(prompt, depth), **kwargs}
         devices = [input_ids.device] if input_ids is not None and input_ids.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
-            return super().generate(
-                input_ids,
-                attention_mask=attention_mask,
-                generation_config=generation_config,
-                num_steps=num_steps,
-                state_init=state_init,
-                **kwargs,
-            )
+        generation_logger = logging.getLogger(GenerationMixin.__module__)  # transformers.generation.utils
+        generation_logger.addFilter(drop_right_padding_warning)  # generate gave it already
+        try:
+            with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+                if seed is not None:
+                    torch.manual_seed(seed)
+                return super().generate(
+                    input_ids,
+                    attention_mask=attention_mask,
+                    generation_config=generation_config,
+                    num_steps=num_steps,
+                    state_init=state_init,
+                    **kwargs,
+                )
+        finally:
+            generation_logger.removeFilter(drop_right_padding_warning)
 
     def new_cache(self, tokens: torch.Tensor, num_steps: int) -> KVCache:
         """A cache sized for ``tokens`` (B, T[, d]) on their device: where the model runs, also when accelerate
@@ -451,6 +464,17 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             dtype=self.model.embed_tokens.weight.dtype,
             device=tokens.device,
         )
+
+
+def is_right_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether a row has a 0 after a 1: its new tokens would follow the padding, not its text."""
+    mask = attention_mask.long()
+    return bool((mask.cummax(dim=1).values > mask).any())
+
+
+def drop_right_padding_warning(record: logging.LogRecord) -> bool:
+    """A logging filter: False for transformers' right-padding warning (generate gives its own, once)."""
+    return record.getMessage() != RIGHT_PADDING_WARNING
 
 
 def verify_manifest(folder: Path) -> bool:
