@@ -59,6 +59,12 @@ TINY_HF_CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     ),
     "llama_sharded": ("llama", dict(num_hidden_layers=6, num_key_value_heads=2), dict(max_shard_size="100KB")),
     "olmo2": ("olmo2", dict(num_hidden_layers=6, num_key_value_heads=4, rms_norm_eps=1e-6), {}),
+    # Qwen2.5: q/k/v biases (no o bias), tied embeddings as its small models; the sliding window is off.
+    "qwen2": ("qwen2", dict(num_hidden_layers=6, num_key_value_heads=2, tie_word_embeddings=True), {}),
+    # Qwen3: per-head q/k RMSNorm, head_dim != hidden / heads, theta 1e6.
+    "qwen3": ("qwen3", dict(num_hidden_layers=6, num_key_value_heads=2, head_dim=32, rope_theta=1e6), {}),
+    # Mistral: its sliding window (128) is shorter than its positions (256): max_seq_len is capped at it.
+    "mistral": ("mistral", dict(num_hidden_layers=6, num_key_value_heads=2, sliding_window=128), {}),
 }
 
 
@@ -68,10 +74,13 @@ def save_tiny_hf_checkpoint(name: str, folder: Path, seed: int = 0) -> Path:
     Weights are scaled up and norm weights randomised so that any misplaced layer or norm shows in the
     logits well above float noise.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Olmo2Config, Olmo2ForCausalLM
+    import transformers
+
+    from titan_recur.models.families import FAMILIES
 
     arch, overrides, save_kwargs = TINY_HF_CHECKPOINTS[name]
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM)}[arch]
+    family = FAMILIES[arch]
+    config_cls, model_cls = (getattr(transformers, cls) for cls in (family.config_class, family.architecture))
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**_COMMON, **overrides}))
     with torch.no_grad():

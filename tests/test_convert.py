@@ -18,6 +18,7 @@ from titan_recur.convert.surgery import (
     ConversionError,
     ConvertOptions,
     SourceModel,
+    attention_window,
     convert,
     format_layers,
     format_summary,
@@ -26,6 +27,7 @@ from titan_recur.convert.surgery import (
     plan_layers,
     read_source,
 )
+from titan_recur.inference.engine import check_prompts
 from titan_recur.models.args import PRESETS
 from titan_recur.models.model import RecurrentLM
 from titan_recur.storage.model_io import WEIGHTS_NAME, load_model, load_state_dict_into, read_model_args
@@ -234,7 +236,7 @@ def test_transformers5_config_fields():
 # ---------------------------------------------------------------- equivalence with transformers
 
 
-@pytest.mark.parametrize("name", ["llama", "olmo2", "llama_tied", "llama_sharded"])
+@pytest.mark.parametrize("name", ["llama", "olmo2", "qwen2", "qwen3", "mistral", "llama_tied", "llama_sharded"])
 def test_all_layers_kept_reproduce_the_source(tiny_hf_checkpoint, tmp_path, name):
     source = tiny_hf_checkpoint(name)
     convert_plan(source, tmp_path / "out", shape=(2, 2, 2))
@@ -242,7 +244,7 @@ def test_all_layers_kept_reproduce_the_source(tiny_hf_checkpoint, tmp_path, name
     torch.testing.assert_close(converted_logits(tmp_path / "out", ids), hf_logits(source, ids), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "olmo2"])
+@pytest.mark.parametrize("name", ["llama", "olmo2", "qwen2", "qwen3", "mistral"])
 def test_dropped_layers_reproduce_the_truncated_source(tiny_hf_checkpoint, tmp_path, name):
     source = tiny_hf_checkpoint(name)
     convert_plan(source, tmp_path / "out", shape=(1, 2, 1))
@@ -251,6 +253,21 @@ def test_dropped_layers_reproduce_the_truncated_source(tiny_hf_checkpoint, tmp_p
     expected = hf_logits(source, ids, layers=[0, 3, 4, 5])
     torch.testing.assert_close(converted_logits(tmp_path / "out", ids), expected, atol=1e-5, rtol=0)
     assert not torch.allclose(expected, hf_logits(source, ids), atol=1e-3)  # dropping layers matters
+
+
+def test_a_sliding_window_caps_max_seq_len(tiny_hf_checkpoint, tmp_path):
+    """titan_recur attends over the whole sequence: equal to Mistral's sliding-window attention only up to the
+    window, so the converted model's max_seq_len is the window, longer runs are refused in one line, and the
+    conversion's summary says why. A Qwen config's window counts only when use_sliding_window is on."""
+    source = tiny_hf_checkpoint("mistral")
+    args = convert(source, tmp_path / "out", plan_layers(6, (2, 2, 2)), EXACT)
+    assert args.max_seq_len == 128 == read_model_args(tmp_path / "out").max_seq_len
+    assert "max_seq_len   128: the source's sliding attention window" in format_summary(read_source(source), args)
+    with pytest.raises(ValueError, match=r"exceeds the model's max_seq_len \(128\)"):
+        check_prompts(torch.ones(1, 100), 29, args.max_seq_len)
+    assert attention_window({"sliding_window": 64, "use_sliding_window": False}) is None
+    assert attention_window({"sliding_window": 64, "use_sliding_window": True}) == 64
+    assert attention_window({"sliding_window": None}) is None
 
 
 def test_non_contiguous_reordered_selection(tiny_hf_checkpoint, tmp_path):
@@ -388,7 +405,7 @@ def _broken_source(tiny_hf_checkpoint, tmp_path: Path, breakage: str) -> Path:
     shutil.copytree(tiny_hf_checkpoint("llama"), source)
     config = json.loads((source / "config.json").read_text())
     if breakage == "architecture":
-        config["architectures"] = ["MistralForCausalLM"]
+        config["architectures"] = ["GemmaForCausalLM"]
     elif breakage == "activation":
         config["hidden_act"] = "gelu"
     elif breakage == "no weights":
@@ -411,7 +428,11 @@ def _broken_source(tiny_hf_checkpoint, tmp_path: Path, breakage: str) -> Path:
 @pytest.mark.parametrize(
     "breakage, message",
     [
-        ("architecture", "architecture 'MistralForCausalLM'; supported: LlamaForCausalLM, Olmo2ForCausalLM"),
+        (
+            "architecture",
+            "architecture 'GemmaForCausalLM'; supported: LlamaForCausalLM, Olmo2ForCausalLM, Qwen2ForCausalLM, "
+            "Qwen3ForCausalLM, MistralForCausalLM",
+        ),
         ("activation", "unsupported hidden_act 'gelu'"),
         ("no weights", "no model.safetensors or model.safetensors.index.json"),
         ("no config", "config.json: no such file"),

@@ -181,6 +181,10 @@ def static_model_dir(folder: Path, **overrides) -> Path:
     torch.manual_seed(0)
     model = RecurrentLM(args)
     model.init_weights(std=0.1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):  # nonzero, so a bias the export drops shows in the logits
+                param.normal_(std=0.1)
     save_model(model, folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(REPO / "assets" / "tokenizer" / name, folder / name)
@@ -204,6 +208,9 @@ def static_model_dir(folder: Path, **overrides) -> Path:
             "LlamaForCausalLM",
         ),
         (dict(block_type="olmo2", n_kv_heads=4, head_dim=8, norm_eps=1e-6, tie_embeddings=True), "Olmo2ForCausalLM"),
+        (dict(block_type="qwen2", tie_embeddings=True), "Qwen2ForCausalLM"),
+        (dict(block_type="qwen3", head_dim=16, rope_theta=1e6), "Qwen3ForCausalLM"),
+        (dict(block_type="mistral", max_seq_len=64), "MistralForCausalLM"),
     ],
 )
 def test_static_export_is_a_plain_hf_model(tmp_path: Path, overrides: dict, architecture: str) -> None:

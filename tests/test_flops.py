@@ -17,6 +17,7 @@ from tests.tiny_models import SMALL
 from tests.tiny_models import tiny_args as shared_tiny_args
 from tests.torchrun_util import load_tool
 from titan_recur.models.args import PRESETS, ModelArgs
+from titan_recur.models.families import BLOCK_TYPES
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.models.model import RecurrentLM
 from titan_recur.storage.model_io import write_model_args
@@ -96,7 +97,7 @@ def test_training_flops_match_flop_counter(tie: bool, num_steps: tuple[int, int]
     assert counted == pytest.approx(analytic, rel=1e-9)
 
 
-@pytest.mark.parametrize("block_type", ["llama", "olmo2"])
+@pytest.mark.parametrize("block_type", BLOCK_TYPES)
 def test_static_model_flops_match_flop_counter(block_type: str) -> None:
     args = tiny_args(n_prelude=2, n_core=0, n_coda=2, block_type=block_type)
     counted = counted_flops_per_token(tiny_model(args), (0, 1))
@@ -166,10 +167,14 @@ def test_preset_param_counts() -> None:
         {},
         {"tie_embeddings": True},
         {"block_type": "olmo2", "n_heads": 4, "n_kv_heads": 4},
+        {"block_type": "qwen2", "tie_embeddings": True},
+        {"block_type": "qwen3", "head_dim": 16},
+        {"block_type": "qwen3", "attention_bias": True},
+        {"block_type": "mistral"},
         {"attention_bias": True, "mlp_bias": True, "tie_embeddings": True},
         {"n_core": 0},
     ],
-    ids=["untied", "tied", "olmo2", "biases", "static"],
+    ids=["untied", "tied", "olmo2", "qwen2", "qwen3", "qwen3-biases", "mistral", "biases", "static"],
 )
 def test_param_counts_equal_the_module(overrides: dict) -> None:
     args = tiny_args(**overrides)

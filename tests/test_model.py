@@ -22,6 +22,7 @@ from titan_recur.inference.engine import greedy_generate
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.blocks import AttentionContext, TransformerBlock
 from titan_recur.models.cache import KVCache
+from titan_recur.models.families import BLOCK_TYPES, FAMILIES
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.models.model import Decoding, RecurrentLM, resolve_num_steps
 from titan_recur.models.rope import rope_cos_sin, rope_inverse_frequencies
@@ -525,17 +526,21 @@ def _causal_additive_mask(seqlen: int) -> torch.Tensor:
     return mask[None, None]
 
 
-@pytest.mark.parametrize("block_type", ["llama", "olmo2"])
+@pytest.mark.parametrize("block_type", BLOCK_TYPES)
 def test_block_matches_transformers_decoder_layer(block_type):
-    """One block against transformers' LlamaDecoderLayer / Olmo2DecoderLayer with the same weights.
+    """One block against the family's own transformers decoder layer (LlamaDecoderLayer, ...) with the same
+    weights, biases and norms randomised.
 
     head_dim 16 with dim 32 and 4 heads makes n_heads*head_dim (64) differ from dim, so OLMo-2's
-    QK-norm over the full projected q (64) and k (32) is checked, not a per-head norm.
+    QK-norm over the full projected q (64) and k (32) and Qwen3's per-head one (16) are told apart.
     """
-    from transformers import LlamaConfig, Olmo2Config
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-    from transformers.models.olmo2.modeling_olmo2 import Olmo2DecoderLayer, Olmo2RotaryEmbedding
+    import importlib
 
+    import transformers
+
+    family = FAMILIES[block_type]
+    prefix = family.config_class.removesuffix("Config")
+    modeling = importlib.import_module(f"transformers.models.{block_type}.modeling_{block_type}")
     scaling = {
         "rope_type": "llama3",
         "factor": 32.0,
@@ -545,7 +550,7 @@ def test_block_matches_transformers_decoder_layer(block_type):
     }
     eps = 1e-6
     args = tiny_args(head_dim=16, block_type=block_type, norm_eps=eps, rope_theta=500.0, rope_scaling=scaling)
-    common = dict(
+    config = getattr(transformers, family.config_class)(
         hidden_size=32,
         intermediate_size=48,
         num_attention_heads=4,
@@ -555,13 +560,9 @@ def test_block_matches_transformers_decoder_layer(block_type):
         attn_implementation="eager",
         rope_parameters={**scaling, "rope_theta": 500.0},
     )
-    if block_type == "llama":
-        config = LlamaConfig(head_dim=16, **common)
-        layer, rotary = LlamaDecoderLayer(config, layer_idx=0), LlamaRotaryEmbedding(config)
-    else:
-        config = Olmo2Config(**common)
-        config.head_dim = 16
-        layer, rotary = Olmo2DecoderLayer(config, layer_idx=0), Olmo2RotaryEmbedding(config)
+    config.head_dim = 16
+    layer = getattr(modeling, f"{prefix}DecoderLayer")(config, layer_idx=0)
+    rotary = getattr(modeling, f"{prefix}RotaryEmbedding")(config)
     torch.manual_seed(0)
     block = TransformerBlock(args, ("prelude", 0))
     block.init_weights(0.2)
@@ -569,9 +570,12 @@ def test_block_matches_transformers_decoder_layer(block_type):
         for name, p in block.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.5 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
     layer.load_state_dict(block.state_dict(), strict=True)
-    if block_type == "olmo2":
-        assert block.self_attn.q_norm.weight.shape == (64,) and block.self_attn.k_norm.weight.shape == (32,)
+    norm_sizes = {"none": None, "full": (64, 32), "per_head": (16, 16)}[family.qk_norm]
+    if norm_sizes:
+        assert (block.self_attn.q_norm.weight.numel(), block.self_attn.k_norm.weight.numel()) == norm_sizes
 
     x = torch.randn(2, 10, 32)
     position_ids = torch.arange(20, 30).expand(2, -1)

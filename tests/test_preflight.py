@@ -219,7 +219,9 @@ def saved_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> float:
     return sum(n for ptr, n in storages.items() if ptr not in skip) / (batch * seq)
 
 
-@pytest.mark.parametrize("block_type, kv_heads", [("llama", 2), ("olmo2", 4)])
+@pytest.mark.parametrize(
+    "block_type, kv_heads", [("llama", 2), ("olmo2", 4), ("qwen2", 2), ("qwen3", 2), ("mistral", 2)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_saved_bytes_match_saved_tensor_hooks(block_type, kv_heads, dtype):
     args = ModelArgs(

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from torch import nn
 
 from titan_recur.models.args import ModelArgs
+from titan_recur.models.families import Family, UnsupportedFamily, family_of_architecture, family_of_hf_config
 from titan_recur.models.model import RecurrentLM, init_identity_adapter
 from titan_recur.models.rope import SUPPORTED_ROPE_TYPES
 from titan_recur.storage.model_io import (
@@ -41,9 +42,6 @@ from titan_recur.storage.model_io import (
 from titan_recur.training.cost_model import param_counts
 from titan_recur.utils.progress import progress
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Olmo2ForCausalLM": "olmo2"}
-_ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "olmo2": "Olmo2ForCausalLM"}
-_DEFAULT_NORM_EPS = {"LlamaForCausalLM": 1e-6, "Olmo2ForCausalLM": 1e-5}  # transformers' defaults
 # "source" keeps each tensor's stored dtype.
 DTYPES = {**MODEL_DTYPES, "source": None}
 INDEX_NAME = "model.safetensors.index.json"
@@ -113,6 +111,18 @@ class SourceModel:
     @property
     def n_layers(self) -> int:
         return int(self.config["num_hidden_layers"])
+
+    @property
+    def family(self) -> Family:
+        return family_of_architecture(self.architecture)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence the converted model computes as the source does: its positions, capped
+        at its sliding attention window (longer runs are then refused by train, eval and generate)."""
+        positions = int(self.config.get("max_position_embeddings", 2048))
+        window = attention_window(self.config)
+        return positions if window is None else min(positions, window)
 
     @property
     def tied(self) -> bool:
@@ -240,15 +250,21 @@ def read_source(folder: str | Path) -> SourceModel:
         raise ConversionError(f"{config_path}: not valid JSON ({err})") from None
     if not isinstance(config, dict):
         raise ConversionError(f"{config_path}: not an HF config (a JSON object)")
-    model_type: Any = config.get("model_type")  # a JSON value
-    architecture = (config.get("architectures") or [_ARCHITECTURE_OF_MODEL_TYPE.get(model_type, model_type)])[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ConversionError(
-            f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    try:
+        architecture = family_of_hf_config(config).architecture
+    except UnsupportedFamily as err:
+        raise ConversionError(str(err)) from None
     if config.get("hidden_act", "silu") != "silu":
         raise ConversionError(f"unsupported hidden_act {config['hidden_act']!r} in {architecture}; only silu (SwiGLU)")
     return SourceModel(folder, config, architecture)
+
+
+def attention_window(config: dict[str, Any]) -> int | None:
+    """The sliding attention window a source config turns on (Mistral's sliding_window; Qwen's when
+    use_sliding_window is true), or None. titan_recur attends over the whole sequence, which equals the
+    source's attention only for sequences no longer than the window."""
+    window = config.get("sliding_window")
+    return int(window) if window is not None and config.get("use_sliding_window", True) else None
 
 
 def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -286,11 +302,11 @@ def hf_config_to_model_args(source: SourceModel, plan: LayerPlan, options: Conve
             n_prelude=len(plan.prelude),
             n_core=len(plan.core),
             n_coda=len(plan.coda),
-            block_type=SUPPORTED_ARCHITECTURES[source.architecture],
-            norm_eps=float(config.get("rms_norm_eps", _DEFAULT_NORM_EPS[source.architecture])),
+            block_type=source.family.name,
+            norm_eps=float(config.get("rms_norm_eps", source.family.default_norm_eps)),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_seq_len=int(config.get("max_position_embeddings", 2048)),
+            max_seq_len=source.max_seq_len,
             tie_embeddings=options.tie_embeddings,
             attention_bias=bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
@@ -535,6 +551,12 @@ def format_summary(source: SourceModel, args: ModelArgs, source_name: str | None
         f"{'tied' if source.tied else 'untied'} embeddings, rope theta {args.rope_theta:g}"
         + (f" + {scaling.get('rope_type', scaling.get('type'))} scaling" if scaling else ""),
     ]
+    window = attention_window(source.config)
+    if window is not None and window == args.max_seq_len:
+        lines.append(
+            f"max_seq_len   {window}: the source's sliding attention window (titan_recur attends over the whole "
+            "sequence, equal to the source's attention up to the window; longer runs are refused)"
+        )
     for part in ("prelude", "core", "coda", "dropped"):
         lines.append(f"{part:<13} {len(layers[part]):>2} layers  source {format_layers(layers[part])}")
     if args.is_recurrent:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import json
 import re
 import shutil
@@ -22,6 +23,7 @@ import torch
 from titan_recur.convert.surgery import LayerPlan, source_tensor_names
 from titan_recur.data.tokenizer import load_tokenizer
 from titan_recur.models.args import DEFAULT_BACKPROP_DEPTH, STATE_INITS, ModelArgs
+from titan_recur.models.families import family_named
 from titan_recur.models.model import RecurrentLM
 from titan_recur.storage.model_io import (
     DTYPES,
@@ -39,6 +41,7 @@ CONFIG_FILE = "configuration_titan_recur.py"
 MODELING_FILE = "modeling_titan_recur.py"
 # titan_recur modules inlined into the shipped modeling file, dependencies first; then the HF wrapper.
 INLINED_MODULES = (
+    "titan_recur.models.families",
     "titan_recur.models.args",
     "titan_recur.models.rope",
     "titan_recur.models.blocks",
@@ -56,7 +59,6 @@ INLINED_MODULES = (
 CALL_DEFAULTS = ("mean_recurrence", "state_init")
 # Weight names of a recurrent export: RecurrentLM's, under TitanRecurForCausalLM.model.
 RECURRENT_PREFIX = "model."
-STATIC_ARCHITECTURES = {"llama": "LlamaForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 GENERATION_CONFIG_FILE = "generation_config.json"
 CONVERSION_FILE = "conversion.json"
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -186,11 +188,11 @@ def recurrent_hf_config(args: ModelArgs, mean_recurrence: int, state_init: str, 
 
 def static_hf_config(args: ModelArgs, dtype: str) -> dict[str, Any]:
     """config.json of a static baseline as the source family's own HF config (the inverse of surgery's reading)."""
-    from transformers import LlamaConfig, Olmo2Config
+    import transformers
 
-    config_cls = {"llama": LlamaConfig, "olmo2": Olmo2Config}[args.block_type]
-    extra = {"mlp_bias": args.mlp_bias} if args.block_type == "llama" else {}
-    config = config_cls(
+    family = family_named(args.block_type)
+    config_cls = getattr(transformers, family.config_class)
+    values = dict(
         vocab_size=args.vocab_size,
         hidden_size=args.dim,
         intermediate_size=args.ffn_dim,
@@ -203,14 +205,19 @@ def static_hf_config(args: ModelArgs, dtype: str) -> dict[str, Any]:
         rope_parameters={"rope_type": "default", **(args.rope_scaling or {}), "rope_theta": args.rope_theta},
         tie_word_embeddings=args.tie_embeddings,
         attention_bias=args.attention_bias,
+        mlp_bias=args.mlp_bias,
         bos_token_id=args.bos_id,
         eos_token_id=args.eos_id,
         pad_token_id=args.pad_id,
-        architectures=[STATIC_ARCHITECTURES[args.block_type]],
+        architectures=[family.architecture],
         dtype=dtype,
-        **extra,
     )
-    return config.to_dict()
+    # Only the fields the family's config has (Qwen2 has no attention_bias: its q/k/v always have biases),
+    # plus head_dim, which every family's attention reads when given.
+    accepted = {*inspect.signature(config_cls.__init__).parameters, "head_dim"}
+    if "sliding_window" in inspect.signature(config_cls.__init__).parameters:
+        values["sliding_window"] = None  # the model attends over the whole sequence, as titan_recur computes it
+    return config_cls(**{key: value for key, value in values.items() if key in accepted}).to_dict()
 
 
 def static_state_dict(model: RecurrentLM) -> dict[str, torch.Tensor]:

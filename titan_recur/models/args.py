@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-BLOCK_TYPES = ("llama", "olmo2")
+from titan_recur.models.families import family_named
+
 STATE_INITS = ("normal", "zero", "embed")
 # state_init of a decoded token that starts from the previous token's final state (continuous compute).
 WARM_START = "previous"
@@ -59,8 +60,7 @@ class ModelArgs:
     source_layers: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.block_type not in BLOCK_TYPES:
-            raise ValueError(f"model block_type must be one of {BLOCK_TYPES}, got {self.block_type!r}")
+        family_named(self.block_type)  # an unknown family fails here, naming the supported ones
         if self.state_init not in STATE_INITS:
             raise ValueError(f"model state_init must be one of {STATE_INITS}, got {self.state_init!r}")
         if self.adapter_init not in ADAPTER_INITS:

@@ -1,4 +1,6 @@
-"""Transformer blocks of the source models, unchanged: Llama (pre-norm) and OLMo-2 (post-norm + QK-norm).
+"""Transformer blocks of the source models, unchanged: each family's decoder layer (models/families.py):
+Llama-style pre-norm (Llama, Qwen2 with q/k/v biases, Qwen3 with per-head q/k norms, Mistral) and OLMo-2's
+post-norm with q/k norms.
 
 Submodule names follow HF's (self_attn.q_proj, mlp.gate_proj, input_layernorm, ...) so a converted
 checkpoint is the source checkpoint with renumbered layers.
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_recur.models.args import ModelArgs
+from titan_recur.models.families import family_named
 from titan_recur.models.rope import apply_rope
 
 if TYPE_CHECKING:  # the cache module builds on this one: a typing-only import, no cycle at run time
@@ -66,29 +69,36 @@ class AttentionContext:
 
 
 class Attention(nn.Module):
-    """GQA causal self-attention with RoPE; OLMo-2 adds RMSNorm over the full projected q and k."""
+    """GQA causal self-attention with RoPE; the family may bias q/k/v and RMSNorm the projected q and k,
+    over the whole projection (OLMo-2) or per head (Qwen3)."""
 
     def __init__(self, args: ModelArgs, slot: BlockSlot) -> None:
         super().__init__()
+        family = family_named(args.block_type)
         self.slot = slot
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-        self.q_proj = nn.Linear(args.dim, q_dim, bias=args.attention_bias)
-        self.k_proj = nn.Linear(args.dim, kv_dim, bias=args.attention_bias)
-        self.v_proj = nn.Linear(args.dim, kv_dim, bias=args.attention_bias)
+        qkv_bias = args.attention_bias or family.qkv_bias
+        self.q_proj = nn.Linear(args.dim, q_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(args.dim, kv_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(args.dim, kv_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(q_dim, args.dim, bias=args.attention_bias)
-        self.qk_norm = args.block_type == "olmo2"
-        if self.qk_norm:
-            self.q_norm = RMSNorm(q_dim, args.norm_eps)
-            self.k_norm = RMSNorm(kv_dim, args.norm_eps)
+        self.qk_norm = family.qk_norm
+        if self.qk_norm != "none":
+            per_head = self.qk_norm == "per_head"
+            self.q_norm = RMSNorm(args.head_dim if per_head else q_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim if per_head else kv_dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.qk_norm:
+        if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = q.view(bsz, seqlen, self.n_heads, self.head_dim)
+        k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, k, ctx.cos, ctx.sin)
         if ctx.cache is not None:
@@ -113,11 +123,11 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """One source-model layer; `block_type` picks Llama pre-norm or OLMo-2 reordered post-norm."""
+    """One source-model layer: pre-norm (Llama-style) or OLMo-2's reordered post-norm, as the family says."""
 
     def __init__(self, args: ModelArgs, slot: BlockSlot) -> None:
         super().__init__()
-        self.pre_norm = args.block_type == "llama"
+        self.pre_norm = family_named(args.block_type).pre_norm
         self.self_attn = Attention(args, slot)
         self.mlp = FeedForward(args)
         if self.pre_norm:

@@ -37,6 +37,7 @@ import torch
 
 from titan_recur.config import AC_MODES, grad_accum_steps
 from titan_recur.models.args import DEFAULT_BACKPROP_DEPTH, PRESETS, ModelArgs
+from titan_recur.models.families import family_named
 from titan_recur.models.model import resolve_num_steps
 from titan_recur.storage.model_io import resolve_model_args
 from titan_recur.training.recurrence import RecurrenceSchedule
@@ -84,15 +85,17 @@ def _block_matmul_params(args: ModelArgs) -> int:
 
 
 def block_params(args: ModelArgs) -> int:
-    """All parameters of one transformer block: matmuls, biases and norms (OLMo-2 adds q/k norms)."""
+    """All parameters of one transformer block: matmuls, biases and norms (the family's q/k norms included)."""
+    family = family_named(args.block_type)
     q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     count = _block_matmul_params(args) + 2 * args.dim
+    if args.attention_bias or family.qkv_bias:
+        count += q_dim + 2 * kv_dim
     if args.attention_bias:
-        count += q_dim + 2 * kv_dim + args.dim
+        count += args.dim
     if args.mlp_bias:
         count += 2 * args.ffn_dim + args.dim
-    if args.block_type == "olmo2":
-        count += q_dim + kv_dim
+    count += {"none": 0, "full": q_dim + kv_dim, "per_head": 2 * args.head_dim}[family.qk_norm]
     return count
 
 
@@ -334,17 +337,21 @@ def block_saved_bytes(args: ModelArgs, c: int) -> float:
         args.n_kv_heads * args.head_dim,
         args.n_heads,
     )
+    family = family_named(args.block_type)
     sdpa = c * (2 * qd + 2 * kvd) + 4 * heads
     mlp = 4 * c * f
-    if args.block_type == "llama":
+    # q/k norms over the projections: the fp32 input (the projection's output), the rsqrt (one per row of
+    # the norm: a token, or a token's head) and the normalised product, for q and for k.
+    rsqrts = {"none": 0, "full": 2, "per_head": heads + args.n_kv_heads}[family.qk_norm]
+    qk_norms = 0 if family.qk_norm == "none" else 8 * qd + 8 * kvd + 4 * rsqrts
+    if family.pre_norm:
         # input_layernorm on the block input: (fp32 copy if bf16) + rsqrt + normalised + output (the q/k/v input).
         norm1 = (4 * d if c == 2 else 0) + 4 + 4 * d + c * d
         # post_attention_layernorm on h = x + attn, a new tensor: h (or its fp32 copy) + rsqrt + normalised + output.
         norm2 = 4 * d + 4 + 4 * d + c * d
-        return norm1 + sdpa + norm2 + mlp
-    # OLMo-2: q/k norms over the projections (fp32 input + rsqrt + normalised), post-norms on the
-    # attention and MLP outputs (their outputs are added, not saved), h saved by the MLP projections.
-    qk_norms = (4 * qd + 4 + 4 * qd) + (4 * kvd + 4 + 4 * kvd)
+        return norm1 + qk_norms + sdpa + norm2 + mlp
+    # OLMo-2: post-norms on the attention and MLP outputs (their outputs are added, not saved), h saved by
+    # the MLP projections.
     post_norms = 2 * (4 * d + 4 + 4 * d)
     return qk_norms + sdpa + post_norms + c * d + mlp
 
