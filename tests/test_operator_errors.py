@@ -625,3 +625,134 @@ def test_rank_counts_are_worded_in_the_singular_and_plural():
     from titan_recur.training.trainer import ranks
 
     assert (ranks(1), ranks(2)) == ("1 rank", "2 ranks")
+
+
+# ------------------------------------------------------- run lock: containers, checkpoint folder, no links
+
+FLOCK = (
+    "import fcntl, sys, time; f = open(sys.argv[1], 'rb'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); "
+    "time.sleep(600)"
+)
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def plant_lock(folder: Path, **fields) -> Path:
+    """A lock file of another run on this host: its pid is dead here (the pid of another PID namespace)."""
+    import socket
+
+    from titan_recur.storage.lock import LOCK_NAME
+
+    record = {"host": socket.gethostname(), "pid": dead_pid(), "since": "2026-12-01T00:00:00", "token": "x", **fields}
+    (folder / LOCK_NAME).write_text(json.dumps(record) + "\n")
+    return folder / LOCK_NAME
+
+
+def boot_id() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def test_a_live_holder_in_another_pid_namespace_is_never_judged_gone(tmp_path, monkeypatch):
+    """A container on this machine: its pid means nothing here, but the lease it holds on the lock file does."""
+    from titan_recur.storage.lock import DumpFolderLock, DumpFolderLockedError
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    path = plant_lock(tmp_path, boot_id=boot_id(), pid_ns="pid:[4026599999]", lease=True)
+    leaseholder = subprocess.Popen([sys.executable, "-c", FLOCK, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert leaseholder.stdout.readline().strip() == "held"
+        with pytest.raises(DumpFolderLockedError, match="in use by another run"):
+            DumpFolderLock.acquire(tmp_path)
+    finally:
+        kill9(leaseholder)
+    lock = DumpFolderLock.acquire(tmp_path)  # its lease is free now: provably gone
+    assert lock.holder["lease"] is True and lock.holder["pid_ns"] and lock.holder["boot_id"] == boot_id()
+    lock.release()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"boot_id": "another-boot", "lease": False}, {"pid_ns": "pid:[4026599999]", "lease": False}, {}],
+    ids=["another-machine-same-hostname", "another-namespace-without-lease", "no-boot-id"],
+)
+def test_a_holder_that_cannot_be_proven_gone_is_refused(tmp_path, monkeypatch, fields):
+    """Same hostname, pid dead here: without the same boot and PID namespace, or a lease, nothing proves it gone."""
+    from titan_recur.storage.lock import DumpFolderLock, DumpFolderLockedError
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    if "pid_ns" in fields:
+        fields = {**fields, "boot_id": boot_id()}
+    path = plant_lock(tmp_path, **fields)
+    with pytest.raises(DumpFolderLockedError, match=f"if that run is gone, delete {path}"):
+        DumpFolderLock.acquire(tmp_path)
+    assert json.loads(path.read_text())["token"] == "x"
+
+
+@pytest.mark.parametrize("code", ["EPERM", "ENOTSUP"])
+def test_a_file_system_without_hard_links_still_locks(tmp_path, monkeypatch, code):
+    """os.link fails (some FUSE and object-store mounts): exclusive create instead; still one holder."""
+    import errno
+    import os
+
+    from titan_recur.storage.lock import LOCK_NAME, DumpFolderLock, DumpFolderLockedError
+
+    def no_links(src, dst, *args, **kwargs):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(os, "link", no_links)
+    lock = DumpFolderLock.acquire(tmp_path)
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == lock.holder["token"]
+    with pytest.raises(DumpFolderLockedError, match="in use by another run"):
+        DumpFolderLock.acquire(tmp_path)
+    lock.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    DumpFolderLock.acquire(tmp_path).release()
+
+
+def test_two_runs_sharing_a_checkpoint_folder_are_refused(train_config, tmp_path):
+    """Another dump folder, the same absolute checkpoint.folder: the checkpoint folder is locked too."""
+    checkpoints = tmp_path / "shared_checkpoints"
+    holder = start_holder(checkpoints)  # what a run with this checkpoint.folder holds
+    try:
+        second = train(
+            train_config, tmp_path / "dump", "--training.steps", "1", "--checkpoint.folder", str(checkpoints)
+        )
+    finally:
+        kill9(holder)
+    lines = [line for line in second.stderr.splitlines() if line.strip()]
+    assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
+    assert f"checkpoint.folder {checkpoints} is in use by another run (host " in lines[0]
+    assert not (checkpoints / "step-1").exists()
+
+
+FORK_AND_HOLD = (
+    "import os, sys, time; from titan_recur.storage.lock import DumpFolderLock; DumpFolderLock.acquire(sys.argv[1])\n"
+    "child = os.fork()\n"
+    "if child == 0:\n    time.sleep(600)\n    os._exit(0)\n"
+    "print(child, flush=True); time.sleep(600)"
+)
+
+
+def test_a_forked_child_does_not_keep_a_dead_runs_lease(tmp_path, monkeypatch):
+    """A DataLoader worker forked by the holder may outlive it for a while: the lock is stale once the holder dies."""
+    import os
+    import signal
+
+    from titan_recur.storage.lock import DumpFolderLock
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", FORK_AND_HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=subprocess_env()
+    )
+    child = int(holder.stdout.readline())
+    try:
+        kill9(holder)
+        lock = DumpFolderLock.acquire(tmp_path)
+        lock.release()
+    finally:
+        os.kill(child, signal.SIGKILL)

@@ -180,7 +180,7 @@ class Trainer:
         self.watchdog = StepWatchdog(cfg.training.step_timeout_s, self.dist.rank, self.dist.world_size)
         self.profiler = StepProfiler(cfg.profiling, self.dump, self.dist.rank, self.dist.device)
         self.phases = PhaseTimer(self.dist.device)  # timing off: the benchmark turns it on
-        self.dump_lock: DumpFolderLock | None = None
+        self.run_locks: list[DumpFolderLock] = []
 
     def _load_tokenizer(self):
         folder = self.tokenizer_folder()
@@ -288,7 +288,7 @@ class Trainer:
         )
 
     def train(self) -> int:
-        self.dump_lock = take_dump_lock(self.dump)  # before the first read of the checkpoints: one run per folder
+        self.run_locks = take_run_locks(self._locked_folders())  # before the first read of the checkpoints
         self.resume()
         self._write_run_config()
         self.metrics.open()
@@ -499,11 +499,20 @@ class Trainer:
     def tokenizer_folder(self) -> str | None:
         return preflight.tokenizer_folder(self.cfg)
 
+    def _locked_folders(self) -> list[tuple[Path, str]]:
+        """The dump folder, and the checkpoint folder on its own: an absolute checkpoint.folder may be another
+        run's (or inside another run's dump folder), so it is locked wherever it is."""
+        folders = [(self.dump, "job.dump_folder")]
+        checkpoints = self.checkpointer.folder
+        if self.cfg.checkpoint.enable and checkpoints.resolve() != self.dump.resolve():
+            folders.append((checkpoints, "checkpoint.folder"))
+        return folders
+
     def close(self) -> None:
         self.watchdog.stop()
         self.metrics.close()
-        if self.dump_lock is not None:
-            self.dump_lock.release()
+        for lock in self.run_locks:
+            lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -555,15 +564,20 @@ def ranks(count: int) -> str:
     return f"{count} rank{'' if count == 1 else 's'}"
 
 
-def take_dump_lock(dump: Path) -> DumpFolderLock | None:
-    """Rank 0 takes the dump folder's lock for the whole run; every rank learns the outcome, so no other rank
-    races for it and a refusal stops all of them with rank 0's one line (storage/lock.py)."""
-    lock, refusal = None, None
+def take_run_locks(folders: list[tuple[Path, str]]) -> list[DumpFolderLock]:
+    """Rank 0 takes the locks of the run's folders (folder, setting naming it) for the whole run; every rank
+    learns the outcome, so no other rank races for them and a refusal stops all of them with rank 0's one
+    line (storage/lock.py). A refusal releases the locks already taken."""
+    locks: list[DumpFolderLock] = []
+    refusal = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            lock = DumpFolderLock.acquire(dump)
+            for folder, what in folders:
+                locks.append(DumpFolderLock.acquire(folder, what))
         except (DumpFolderLockedError, OSError) as err:  # held by a live run; a read-only or full folder
             refusal = err
+            for lock in locks:
+                lock.release()
     if dist.is_initialized():
         outcome = [refusal]
         dist.broadcast_object_list(outcome, src=0)
@@ -572,7 +586,7 @@ def take_dump_lock(dump: Path) -> DumpFolderLock | None:
         # The other ranks exit with its code, silently (a marker on whichever exception it is, read by getattr).
         refusal.said_by_rank0 = True  # type: ignore[union-attr]
         raise refusal
-    return lock
+    return locks
 
 
 def check_output_folders(dump: Path, cfg: JobConfig) -> None:
