@@ -232,3 +232,13 @@ def test_right_padding_warns_once_on_every_path(
         model.generate(ids, attention_mask=mask, max_new_tokens=2, eos_token_id=None, pad_token_id=0, **strategy)
         messages = [r.getMessage() for r in caplog.records]
         assert sum("right-padding was detected" in m for m in messages) == warnings, messages
+
+
+def test_sdpa_attention_implementation_is_accepted(exported: Path) -> None:  # noqa: F811
+    """`attn_implementation="sdpa"`: what the model runs anyway; it loads and generates the default's tokens."""
+    ids = batch(shape=(2, 5))
+    common = dict(max_new_tokens=6, eos_token_id=None)
+    expected = load(exported).eval().generate(ids, **common)
+    sdpa = load(exported, attn_implementation="sdpa").eval()
+    assert sdpa.config._attn_implementation == "sdpa"
+    assert torch.equal(sdpa.generate(ids, **common), expected)

@@ -92,6 +92,8 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = TitanRecurConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
+    # Attention always runs in scaled_dot_product_attention: attn_implementation="sdpa" names what runs.
+    _supports_sdpa = True
     # accelerate's device maps keep the core (its loop reads the adapter and all blocks) and each block whole.
     _no_split_modules = ["RecurrentCore", "TransformerBlock"]
     # A tied model's head is a Linear sharing the embedding's weight (transformers' way of tying).
