@@ -614,3 +614,38 @@ def test_initial_load_path_loads_the_model_only(single):
     # Once the run has checkpoints of its own, they win over initial_load_path.
     assert r["initial_load_rerun"]["rc"] == 0 and resumed_step(r["initial_load_rerun"]["stdout"]) == 2
     assert "initialised the model" not in r["initial_load_rerun"]["stdout"]
+
+
+# ------------------------------------------------------------------------- no crash loop on leftovers
+
+
+def test_leftovers_in_the_way_of_a_save_are_set_aside_and_the_rerun_completes(normal_init_model, tmp_path):
+    """An interrupted copy as step-6 (no .metadata) and a foreign file named step-8.partial stood where those
+    saves go: every rerun failed at step 6. Now each is moved aside with one line, kept, and the run
+    completes; another step folder without .metadata is moved aside too, not deleted, after the first save."""
+    config = write_config(tmp_path / "run.toml", normal_init_model, CORPUS_DATA)
+    dump = tmp_path / "dump"
+    run = ["--config", str(config), "--job.dump_folder", str(dump), "--training.global_batch_size", "4"]
+    run += ["--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
+    (first,) = run_single_jobs([{"argv": [*run, "--training.steps", "4"]}], tmp_path)
+    assert first["rc"] == 0, first["stderr"][-3000:]
+    checkpoints = dump / "checkpoints"
+    shutil.copytree(checkpoints / "step-4", checkpoints / "step-6")
+    (checkpoints / "step-6" / ".metadata").unlink()
+    shutil.copytree(checkpoints / "step-6", checkpoints / "step-1001")
+    (checkpoints / "step-8.partial").write_text("someone's notes\n")
+    rerun = [*run, "--training.steps", "8", "--checkpoint.allow_changes", "steps"]
+    (second,) = run_single_jobs([{"argv": rerun}], tmp_path)
+    assert second["rc"] == 0, second["stderr"][-3000:]
+    assert resumed_step(second["stdout"]) == 4
+    assert scan_checkpoints(checkpoints).complete == [2, 4, 6, 8]
+    aside = {p.name.split(".incomplete-")[0]: p for p in checkpoints.iterdir() if ".incomplete-" in p.name}
+    assert sorted(aside) == ["step-1001", "step-6", "step-8.partial"], sorted(p.name for p in checkpoints.iterdir())
+    assert aside["step-8.partial"].read_text() == "someone's notes\n"
+    for name in ("step-6", "step-1001"):
+        assert sorted(p.name for p in aside[name].iterdir()) == sorted(
+            p.name for p in (checkpoints / "step-4").iterdir() if p.name != ".metadata"
+        )
+    for name in ("step-6", "step-8.partial"):
+        assert f"set aside {checkpoints / name}, in the way of this save, as " in second["stdout"]
+    assert f"set aside {checkpoints / 'step-1001'}, not a complete checkpoint, as " in second["stdout"]

@@ -4,9 +4,11 @@ Layout: ``<dump_folder>/<checkpoint.folder>/step-<N>/`` (DCP shards, ``.metadata
 ``manifest.json``). A step is written into ``step-<N>.partial``; once every rank has finished, each
 rank checksums the shards it wrote, rank 0 writes the manifest (sizes, checksums, the parent step,
 the run's fingerprint) and renames the folder. A crash mid-save leaves only a ``.partial`` folder,
-which is never loaded (it is reported on resume and removed by the next save). Loading checks every
-file against the manifest first. Rewinding (``checkpoint.load_step``) moves the later steps to
-``abandoned/``, where nothing resumes from them or deletes them. See docs/checkpointing.md.
+which is never loaded (it is reported on resume and removed by the next save). Anything else in the way
+of a save, or a ``step-<N>`` without ``.metadata``, is renamed ``<name>.incomplete-<time>``: kept, and
+no rerun fails on it. Loading checks every file against the manifest first. Rewinding
+(``checkpoint.load_step``) moves the later steps to ``abandoned/``, where nothing resumes from them or
+deletes them. See docs/checkpointing.md.
 """
 
 from __future__ import annotations
@@ -205,7 +207,7 @@ class CheckpointManager:
         self.wait()
         partial = self._partial(step)
         try:
-            _agree(lambda: _fresh_folder(partial) if _is_rank0() else None)
+            _agree(lambda: self._clear_the_way(step) if _is_rank0() else None)
             with _quiet_without_process_group():
                 if self.async_mode == "async":
                     # The writer thread warns after this block has exited: filter it for the process.
@@ -219,6 +221,18 @@ class CheckpointManager:
         except (OSError, CheckpointException) as err:  # DCP raises a rank's failure on every rank
             self._write_failed(step, err)
         self._complete(step)
+
+    def _clear_the_way(self, step: int) -> None:
+        """Rank 0, before writing step-<step>: remove its leftover .partial folder (a save that did not finish)
+        and set aside anything else where the save goes (an interrupted copy without .metadata, a foreign
+        file), kept under another name: else the final rename fails at this step on every rerun."""
+        final, partial = self.step_folder(step), self._partial(step)
+        if partial.is_dir() and not partial.is_symlink():
+            shutil.rmtree(partial)
+        for path in (final, partial):
+            if path.exists() or path.is_symlink():
+                _log_rank0(f"set aside {path}, in the way of this save, as {_move_aside(path)}")
+        partial.mkdir(parents=True)
 
     def write_finished(self) -> bool:
         """True when a background save is in flight and this rank's part of it has finished."""
@@ -288,10 +302,14 @@ class CheckpointManager:
         ) from err
 
     def _purge(self) -> None:
-        """Leftover incomplete folders, and all but the keep_latest_k newest steps of this lineage."""
+        """Leftover .partial folders, and all but the keep_latest_k newest steps of this lineage; a step folder
+        without .metadata (never one of this trainer's: an interrupted copy) is set aside, not deleted."""
         found = scan_checkpoints(self.folder)
         for path in found.partial:
-            shutil.rmtree(path, ignore_errors=True)
+            if path.name.endswith(PARTIAL_SUFFIX):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                _log_rank0(f"set aside {path}, not a complete checkpoint, as {_move_aside(path)}")
         if self.keep_latest_k > 0:
             for step in found.complete[: -self.keep_latest_k]:
                 shutil.rmtree(self.step_folder(step), ignore_errors=True)
@@ -491,10 +509,14 @@ def _disk_full(folder: Path, partial: Path) -> str:
     return f"; No space left on device ({free / 1024:.0f} KiB free on the checkpoint file system)"
 
 
-def _fresh_folder(path: Path) -> None:
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
+def _move_aside(path: Path) -> Path:
+    """Rename ``path`` to ``<name>.incomplete-<UTC time>``: a name nothing resumes from or purges."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    destination, k = path.with_name(f"{path.name}.incomplete-{stamp}"), 1
+    while destination.exists() or destination.is_symlink():
+        destination, k = path.with_name(f"{path.name}.incomplete-{stamp}-{k}"), k + 1
+    path.rename(destination)
+    return destination
 
 
 def _agree(action: Callable[[], T]) -> list[T]:
