@@ -21,9 +21,10 @@ from tests.torchrun_util import load_tool, run_torchrun
 from titan_recur.convert.surgery import ConvertOptions, convert, hf_config_to_model_args, plan_layers, read_source
 from titan_recur.hf.export import export_hf
 from titan_recur.inference.engine import greedy_generate
+from titan_recur.models.args import PRESETS
 from titan_recur.models.families import FAMILIES
 from titan_recur.storage.model_io import load_model
-from titan_recur.training.cost_model import block_params
+from titan_recur.training.cost_model import block_params, param_counts
 
 NEW_FAMILIES = ["qwen2", "qwen3", "mistral"]
 DATA = str(Path(__file__).resolve().parents[1] / "assets" / "corpus" / "general.jsonl")
@@ -96,3 +97,22 @@ def test_the_retrofit_trains_on_two_ranks_as_on_one(recurrent, tmp_path, family)
     for name, grad in single["grads"][0].items():
         torch.testing.assert_close(multi["grads"][0][name], grad, atol=1e-6, rtol=0, msg=name)
     assert multi["silent_fsdp_modules"] == []
+
+
+# Published parameter counts of the new families' presets (each model card's safetensors total; all tie
+# their embeddings), so a wrong preset field shows here.
+PUBLISHED_PARAMETERS = {
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-1.7b": 1_720_574_976,
+    "smollm2-1.7b": 1_711_376_384,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
+def test_new_presets_count_the_published_parameters(name):
+    preset = PRESETS[name]
+    whole_source = preset.model_args(preset.n_layers, 0, 0, tie_embeddings=True)
+    assert param_counts(whole_source).total == PUBLISHED_PARAMETERS[name]
+    preset.check_shape(preset.default_shape, name)

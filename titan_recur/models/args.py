@@ -133,6 +133,19 @@ _LLAMA3_SCALING = {
     "original_max_position_embeddings": 8192,
 }
 
+# What the Qwen2.5 and Qwen3 base models share (their config.json files); converted models are untied, as
+# conversion unties by default.
+_QWEN: dict[str, Any] = dict(
+    block_type="qwen2",
+    vocab_size=151936,
+    norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_embeddings=False,
+    max_seq_len=32768,
+    bos_id=151643,
+    eos_id=151643,
+)
+
 PRESETS: dict[str, SourcePreset] = {
     "tinyllama-1.1b": SourcePreset(
         hf_id="TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
@@ -192,6 +205,52 @@ PRESETS: dict[str, SourcePreset] = {
             bos_id=100257,
             eos_id=100257,
             pad_id=100277,
+        ),
+    ),
+    # The families beyond the paper's. Each shape is paper-style (TinyLlama's 4,8,4: a 4-layer prelude and
+    # coda, an 8-layer core of the middle layers), not a ranking of the real weights: run
+    # tools/analyze_layers.py on the downloaded source and pass its --layers (docs/families.md).
+    "qwen2.5-0.5b": SourcePreset(
+        hf_id="Qwen/Qwen2.5-0.5B",
+        n_layers=24,
+        default_shape=(4, 8, 4),
+        args=dict(_QWEN, dim=896, n_heads=14, n_kv_heads=2, head_dim=64, ffn_dim=4864, max_seq_len=32768),
+    ),
+    "qwen2.5-1.5b": SourcePreset(
+        hf_id="Qwen/Qwen2.5-1.5B",
+        n_layers=28,
+        default_shape=(4, 8, 4),
+        args=dict(_QWEN, dim=1536, n_heads=12, n_kv_heads=2, head_dim=128, ffn_dim=8960, max_seq_len=131072),
+    ),
+    "qwen3-0.6b": SourcePreset(
+        hf_id="Qwen/Qwen3-0.6B-Base",
+        n_layers=28,
+        default_shape=(4, 8, 4),
+        args=dict(_QWEN, block_type="qwen3", dim=1024, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072),
+    ),
+    "qwen3-1.7b": SourcePreset(
+        hf_id="Qwen/Qwen3-1.7B-Base",
+        n_layers=28,
+        default_shape=(4, 8, 4),
+        args=dict(_QWEN, block_type="qwen3", dim=2048, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=6144),
+    ),
+    "smollm2-1.7b": SourcePreset(
+        hf_id="HuggingFaceTB/SmolLM2-1.7B",
+        n_layers=24,
+        default_shape=(4, 8, 4),
+        args=dict(
+            vocab_size=49152,
+            dim=2048,
+            n_heads=32,
+            n_kv_heads=32,
+            head_dim=64,
+            ffn_dim=8192,
+            norm_eps=1e-5,
+            rope_theta=130000.0,
+            tie_embeddings=False,
+            max_seq_len=8192,
+            bos_id=1,
+            eos_id=2,
         ),
     ),
 }
