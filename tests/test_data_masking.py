@@ -252,3 +252,35 @@ def test_records_need_a_format_with_fields():
                 "prompt_completion",
             ],
         )
+
+
+# Each record: a 42-token prompt and a 1-token answer. Packed into steps of 2 rows of 16 labels, steps 1 and 5
+# hold no completion token: every label of the step is IGNORE_INDEX.
+LONG_PROMPTS = [(" ".join(["a b"] * 20) + " =", " 5")]
+
+
+def test_a_step_without_a_labelled_token_is_skipped_and_counted(tmp_path, capsys):
+    """It raised ZeroDivisionError at the same step on every rerun (training, and validation on such data)."""
+    from tests.test_checkpoint import read_checkpoint
+    from titan_recur.training.trainer import main
+
+    path = write_records(tmp_path / "qa.jsonl", LONG_PROMPTS, 8)
+    held_out = write_records(tmp_path / "held_out.jsonl", LONG_PROMPTS, 8)
+    validation = {
+        "validation.enable": "true",
+        "validation.interval": "2",
+        "validation.steps": "1",
+        "data.validation_sources.0.path": held_out,
+        "data.validation_sources.0.kind": "jsonl",
+        "data.validation_sources.0.format": "prompt_completion",
+    }
+    assert main(tiny_config(tmp_path, path, steps=6, **validation)) == 0
+    out = capsys.readouterr().out
+    for step in (1, 5):
+        assert f"no labelled token in the global batch of step {step} (every label is ignored" in out, out
+    assert "step skipped (1 so far)" in out and "step skipped (2 so far)" in out
+    assert "validation at step 2 skipped: no labelled token in its 1 batches" in out
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [2, 3, 4, 6]
+    final = read_checkpoint(tmp_path / "run" / "checkpoints" / "step-6", tmp_path)
+    assert final["train"]["skipped_steps"] == 2 and final["train"]["step"] == 6

@@ -404,6 +404,14 @@ class Trainer:
         total_loss, total_labels, square_sum, preempted, written = local.tolist()
         self.preemption.agreed = preempted > 0
         self.async_save_written = written == self.dist.world_size
+        if total_labels == 0:  # e.g. only prompt tokens: no loss to learn from, the same at every rerun
+            self.optimizers.zero_grad()
+            self._handle_bad_step(
+                f"no labelled token in the global batch of step {self.step} (every label is ignored, as in a "
+                "prompt with no completion token)",
+                skippable=True,
+            )
+            return None
         grad_scale = self.dp_world / total_labels
         loss, grad_norm = total_loss / total_labels, math.sqrt(square_sum) * grad_scale
         problem = self._bad_step(loss, grad_norm)
@@ -435,7 +443,14 @@ class Trainer:
         return None
 
     def _validate(self) -> None:
-        self.metrics.log_validation(self.step, self.validator.run(self.model))
+        losses = self.validator.run(self.model)
+        if losses is None:
+            self._log(
+                f"validation at step {self.step} skipped: no labelled token in its {self.cfg.validation.steps} "
+                "batches (every label is ignored, as in prompts with no completion token)"
+            )
+            return
+        self.metrics.log_validation(self.step, losses)
 
     def _print_plan(self) -> None:
         """The start-up banner: the plan `--check` prints, for this world size and device."""
@@ -461,10 +476,11 @@ class Trainer:
         self._log(f"preemption signal at step {self.step}: {saved}; exiting with {EXIT_PREEMPTED}")
         return True
 
-    def _handle_bad_step(self, message: str) -> None:
+    def _handle_bad_step(self, message: str, skippable: bool = False) -> None:
+        """Skip the step, or stop; ``skippable``: skipped even without training.skip_nonfinite (up to the limit)."""
         self.progress.skipped_steps += 1
         stop = None
-        if not self.cfg.training.skip_nonfinite:
+        if not (skippable or self.cfg.training.skip_nonfinite):
             stop = "stopping (training.skip_nonfinite = false)"
         elif self.progress.skipped_steps > self.cfg.training.max_skipped_steps:
             stop = f"stopping: {self.progress.skipped_steps} steps skipped > training.max_skipped_steps"

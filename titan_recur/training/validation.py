@@ -95,8 +95,9 @@ class Validator:
         return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
 
     @torch.no_grad()
-    def run(self, model: RecurrentLM) -> dict[int, float]:
-        """{r: token-weighted mean loss} over ``validation.steps`` batches of every rank."""
+    def run(self, model: RecurrentLM) -> dict[int, float] | None:
+        """{r: token-weighted mean loss} over ``validation.steps`` batches of every rank; None when they hold
+        no labelled token (prompts only): the same at every validation, so not an error that stops training."""
         with torch.random.fork_rng(devices=[]):  # the loader's seed draw must not shift the training RNG
             batches = itertools.islice(iter(build_dataloader(**self._loader_args)), self.cfg.steps)
             sums = validation_loss_sums(
@@ -106,4 +107,7 @@ class Validator:
         if dist.is_initialized():
             totals = totals.to(self.device)
             dist.all_reduce(totals)
-        return mean_losses({r: (float(row[0]), int(row[1])) for r, row in zip(sums, totals.tolist(), strict=True)})
+        reduced = {r: (float(row[0]), int(row[1])) for r, row in zip(sums, totals.tolist(), strict=True)}
+        if any(count == 0 for _, count in reduced.values()):
+            return None
+        return mean_losses(reduced)
