@@ -30,13 +30,15 @@ import time
 
 from bench_models import add_shape_arguments, random_model, shape_model_args  # a sibling: tools/ is sys.path[0]
 
+from titan_recur.models.families import BLOCK_TYPES
+
 MODES = ("fp32", "fsdp", "autocast")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_arguments(parser, vocab=2048, shape="2,2,2")
-    parser.add_argument("--block-type", default="llama", choices=["llama", "olmo2"])
+    parser.add_argument("--block-type", default="llama", choices=BLOCK_TYPES)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--model", metavar="FOLDER", help="a converted model folder instead of a random init")
