@@ -649,3 +649,37 @@ def test_leftovers_in_the_way_of_a_save_are_set_aside_and_the_rerun_completes(no
     for name in ("step-6", "step-8.partial"):
         assert f"set aside {checkpoints / name}, in the way of this save, as " in second["stdout"]
     assert f"set aside {checkpoints / 'step-1001'}, not a complete checkpoint, as " in second["stdout"]
+
+
+def test_a_checkpoint_without_its_manifest_is_refused_unless_verify_is_off(normal_init_model, tmp_path):
+    """Resuming from, or starting from (initial_load_path), a step folder whose manifest.json is gone: one line
+    naming the opt-out; checkpoint.verify = false loads it unchecked."""
+    config = write_config(tmp_path / "run.toml", normal_init_model, CORPUS_DATA)
+    run = ["--config", str(config), "--training.global_batch_size", "4", "--training.steps", "2"]
+    run += ["--checkpoint.interval", "2"]
+    own, step = tmp_path / "own", tmp_path / "own" / "checkpoints" / "step-2"
+    unverified = ["--checkpoint.verify", "false"]
+    start_from = ["--checkpoint.initial_load_path", str(step)]
+    jobs = {
+        "base": {"argv": [*run, "--job.dump_folder", str(own)]},
+        "resume": {
+            "argv": [*run, "--job.dump_folder", str(own)],
+            "unlink": [str(step / "manifest.json")],
+            "watch": str(own / "checkpoints"),
+        },
+        "start_from": {"argv": [*run, "--job.dump_folder", str(tmp_path / "other"), *start_from]},
+        "resume_unverified": {"argv": [*run, "--job.dump_folder", str(own), *unverified]},
+        "start_from_unverified": {
+            "argv": [*run, "--job.dump_folder", str(tmp_path / "third"), *start_from, *unverified]
+        },
+    }
+    r = dict(zip(jobs, run_single_jobs(list(jobs.values()), tmp_path), strict=True))
+    assert r["base"]["rc"] == 0, r["base"]["stderr"][-3000:]
+    for name in ("resume", "start_from"):
+        assert r[name]["rc"] == EXIT_BAD_INPUT, (name, r[name]["stdout"][-2000:], r[name]["stderr"][-2000:])
+        line = error_line(r[name])
+        assert f"{step}: no manifest.json" in line and "set checkpoint.verify = false to load it unchecked" in line
+    assert r["resume"]["before"] == r["resume"]["after"]
+    assert not (tmp_path / "other" / "checkpoints" / "step-2").exists()
+    for name in ("resume_unverified", "start_from_unverified"):
+        assert r[name]["rc"] == 0, r[name]["stderr"][-3000:]

@@ -463,9 +463,10 @@ def read_metadata(path: Path) -> Metadata:
         raise CheckpointError(f"{file}: unreadable (truncated or corrupt?): {_describe(err)}") from err
 
 
-def load_from(path: Path, states: dict[str, Stateful], *, verify: bool = True) -> None:
-    """dcp.load ``states`` from a checkpoint folder (checked against its manifest, if it has one)."""
-    verify_checkpoint(path, checksums=verify)
+def load_from(path: Path, states: dict[str, Stateful], *, verify: bool = True, required: bool = False) -> None:
+    """dcp.load ``states`` from a checkpoint folder, checked against its manifest (if it has one; one is
+    ``required`` where a run starts from it: its own checkpoints always have one)."""
+    verify_checkpoint(path, checksums=verify, required=required)
     _dcp_load(path, states)
 
 

@@ -234,7 +234,9 @@ class Trainer:
             )
         if point is None:
             if c.initial_load_path:
-                load_from(Path(c.initial_load_path), {"model": ModelState(self.model)}, verify=c.verify)
+                load_from(
+                    Path(c.initial_load_path), {"model": ModelState(self.model)}, verify=c.verify, required=c.verify
+                )
                 self._log(f"initialised the model from {c.initial_load_path} (model only)")
             elif c.enable:
                 self._log(f"no checkpoint in {self.checkpointer.folder}: starting at step 0")
