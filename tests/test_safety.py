@@ -474,6 +474,36 @@ def test_disk_full_readings_agree_across_ranks(tmp_path):
     assert not partial_left
 
 
+def test_an_async_save_on_a_full_disk_and_its_rerun_each_end_in_one_line(model, tmp_path):
+    """An async save fills the disk; the same command on the still-full disk fails the same way: each time
+    exactly one line on stderr (no warning of the writer thread) and nothing but step-2 left; once space
+    is freed, the rerun completes with a silent stderr."""
+    config = write_config(tmp_path / "run.toml", model, CORPUS_DATA)
+    run = ["--config", str(config), "--training.global_batch_size", "4", "--checkpoint.interval", "2"]
+    run += ["--training.steps", "4"]
+    disk, base = tmp_path / "tmpfs", tmp_path / "base"
+    on_disk = [*run, "--job.dump_folder", str(disk / "async"), "--checkpoint.async_mode", "async"]
+    filler = {"file": str(disk / "filler"), "leave_like": str(base / "checkpoints" / "step-2"), "factor": 1.5}
+    jobs = [
+        {"argv": [*run, "--job.dump_folder", str(base), "--training.steps", "2"]},
+        {"argv": on_disk, "fill": filler},
+        {"argv": on_disk},
+        {"argv": on_disk, "unlink": [str(disk / "filler")]},
+    ]
+    with tmpfs(disk):
+        results = run_single_jobs(jobs, tmp_path)
+        left = sorted(p.name for p in (disk / "async" / "checkpoints").iterdir())
+    folder = disk / "async" / "checkpoints"
+    for result in results[1:3]:
+        lines = [line for line in result["stderr"].splitlines() if line.strip()]
+        assert result["rc"] == EXIT_IO_FAILURE and len(lines) == 1, result["stderr"][-3000:]
+        assert lines[0].startswith(f"error: cannot write checkpoint {folder}/step-4.partial: ") and (
+            "No space left on device" in lines[0]
+        ), lines[0]
+    assert results[3]["rc"] == 0 and not results[3]["stderr"].strip(), results[3]["stderr"][-3000:]
+    assert left == ["step-2", "step-4"]
+
+
 # -------------------------------------------------------------------------------------------- tools
 
 

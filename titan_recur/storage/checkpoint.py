@@ -208,10 +208,12 @@ class CheckpointManager:
         partial = self._partial(step)
         try:
             _agree(lambda: self._clear_the_way(step) if _is_rank0() else None)
+            if self.async_mode == "async":
+                # The writer thread warns after the block below has restored the filters: filter it for the
+                # process (outside that block, which would undo it).
+                warnings.filterwarnings("ignore", message=_NO_PROCESS_GROUP_WARNING)
             with _quiet_without_process_group():
                 if self.async_mode == "async":
-                    # The writer thread warns after this block has exited: filter it for the process.
-                    warnings.filterwarnings("ignore", message=_NO_PROCESS_GROUP_WARNING)
                     self._pending = (  # type: ignore[assignment]
                         step,
                         dcp.async_save(self.states, checkpoint_id=str(partial), process_group=self._async_group),
