@@ -82,6 +82,40 @@ def test_perm_splits_answers_and_lengths(depth_task, tmp_path: Path) -> None:
     assert all((again / f).read_bytes() == (tmp_path / f).read_bytes() for f in ("train.jsonl", "validation.jsonl"))
 
 
+def test_evaluation_questions_are_held_out_of_training(depth_task, tmp_path: Path) -> None:
+    """The default perm task: no evaluation question of a length with room to hold it out (5-12, and the
+    extrapolation split 13-16) occurs in the training file; questions are distinct within a length; task.json
+    names the lengths too short to hold out (1-4: 8 x 2^k questions against 100 drawn)."""
+    assert depth_task.main(["--out", str(tmp_path)]) == 0
+    train = {row["prompt"] for row in read_jsonl(tmp_path / "train.jsonl")}
+    params = json.loads((tmp_path / "task.json").read_text())
+    assert params["held_out_lengths"] == list(range(5, 17)) and params["not_held_out_lengths"] == [1, 2, 3, 4]
+    for n in range(1, 17):
+        prompts = [row["prompt"] for row in read_jsonl(tmp_path / f"eval_{n}.jsonl")]
+        assert len(prompts) == 100
+        if n >= 5:
+            assert len(set(prompts)) == 100 and not set(prompts) & train, n
+    assert "perm_13" in (tmp_path / "perm_extrapolation.yaml").read_text()
+    assert "perm_13" not in (tmp_path / "perm.yaml").read_text()
+    assert {row["length"] for row in read_jsonl(tmp_path / "validation.jsonl")} == set(range(1, 13))
+
+
+def test_arith_answers_and_bindings(depth_task, tmp_path: Path) -> None:
+    """Each arith answer equals the bindings evaluated by Python in order (integers, mod 10 at the end)."""
+    argv = ["--task", "arith", "--out", str(tmp_path), "--train-examples", "200", "--eval-examples", "20"]
+    assert depth_task.main(argv) == 0
+    rows = read_jsonl(tmp_path / "train.jsonl") + read_jsonl(tmp_path / "eval_16.jsonl")
+    for row in rows:
+        *bindings, question = row["prompt"].split(" ; ")
+        scope: dict[str, int] = {}
+        for binding in bindings:
+            name, expression = binding.split(" = ")
+            scope[name] = eval(expression, {}, dict(scope))  # noqa: S307 (digits, variables, + - *)
+        variable = question.removesuffix(" mod 10 ?")
+        assert row["completion"] == f" {scope[variable] % 10}" and len(bindings) - 1 <= 16
+    assert len(read_jsonl(tmp_path / "eval_16.jsonl")) == 20 and (tmp_path / "arith_extrapolation.yaml").is_file()
+
+
 def test_mod10_task_stays_available(depth_task, tmp_path: Path) -> None:
     assert (
         depth_task.main(
@@ -107,7 +141,15 @@ def test_mod10_task_stays_available(depth_task, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "argv", [["--train-examples", "0"], ["--train-lengths", "5-2"], ["--eval-lengths", "x"], ["--task", "other"]]
+    "argv",
+    [
+        ["--train-examples", "0"],
+        ["--train-lengths", "5-2"],
+        ["--eval-lengths", "x"],
+        ["--task", "other"],
+        ["--eval-lengths", "1-13"],  # overlaps the default extrapolation split 13-16
+        ["--task", "arith", "--extrapolation-lengths", "13-20"],  # longer than the variables allow
+    ],
 )
 def test_bad_arguments_exit_2(depth_task, tmp_path: Path, capsys: pytest.CaptureFixture, argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
