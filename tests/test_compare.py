@@ -58,6 +58,31 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
 
 
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run folder in seconds, for the command line's checks: the trainer's config.json of a 3-step run on the
+    tiny recurrent model, that model as its final_model, no metrics.jsonl and no checkpoint."""
+    from titan_recur.config import JobConfig, config_to_json
+
+    run = tmp_path_factory.mktemp("tiny_run") / "run"
+    run.mkdir()
+    cfg = JobConfig()
+    cfg.model.path = str(REPO / "assets" / "tiny_llama_recurrent")
+    cfg.training.steps, cfg.training.seq_len = 3, 32
+    (run / "config.json").write_text(config_to_json(cfg))
+    shutil.copytree(cfg.model.path, run / "final_model")
+    return run
+
+
+@pytest.fixture(scope="module")
+def depth_task(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tools/make_depth_task.py's files for two lengths, 3 questions each: per-length YAMLs and the group perm.yaml."""
+    out = tmp_path_factory.mktemp("depth_task")
+    argv = ["--out", str(out), "--eval-lengths", "6-7", "--train-examples", "10", "--eval-examples", "3"]
+    assert load_tool("make_depth_task").main(argv) == 0
+    return out
+
+
 def test_the_effect_reproduces_on_its_own_run(mini: Path, report: dict) -> None:
     """The paper's two claims, measured on this run (not on stored numbers): on chains longer than any the source
     solved, the retrofitted model gains accuracy with test-time depth, and at its compute-matched FLOPs it beats
@@ -355,3 +380,14 @@ def test_bench_speculative_decodes_the_plain_tokens_faster_per_iteration(mini: P
         assert row[5] == "yes" and row[8] == rows[0][8], row  # the plain tokens, so the plain answers
         if row[2] != "plain":
             assert 0 <= float(row[6]) <= 1 and float(row[7]) < 4, row
+
+
+def test_a_task_group_yaml_is_accepted(tiny_run: Path, depth_task: Path, tmp_path: Path, capsys) -> None:
+    """--task OUT/perm.yaml, the group make_depth_task.py --help says to pass: its tasks resolve from its folder."""
+    out = tmp_path / "out"
+    argv = [str(tiny_run), "--task", str(depth_task / "perm.yaml"), "--recurrences", "1", "--max-gen-toks", "2"]
+    assert load_tool("compare").main([*argv, "--out", str(out)]) == 0
+    scores = json.loads((out / "compare.json").read_text())["runs"][0]["points"][0]["results"]["1"]["tasks"]
+    assert {"perm", "perm_6", "perm_7"} <= set(scores)
+    assert all(0 <= scores[t][METRIC] <= 1 for t in ("perm_6", "perm_7"))
+    assert "## perm_6" in capsys.readouterr().out

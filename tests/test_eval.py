@@ -273,6 +273,21 @@ def test_harness_cli_writes_table(model_dir: Path, tmp_path: Path, monkeypatch: 
     assert image.ndim == 3 and image.shape[0] > 100
 
 
+def test_harness_cli_runs_a_task_group_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--tasks OUT/perm.yaml, the group tools/make_depth_task.py writes: its tasks resolve from its folder."""
+    from tests.torchrun_util import load_tool
+
+    index_without_lm_eval_tasks(monkeypatch)
+    task = tmp_path / "task"
+    argv = ["--out", str(task), "--eval-lengths", "6-7", "--train-examples", "10", "--eval-examples", "3"]
+    assert load_tool("make_depth_task").main(argv) == 0
+    out = tmp_path / "out"
+    argv = ["harness", "--model_args", f"pretrained={DEBUG_MODEL},max_gen_toks=2", "--tasks", str(task / "perm.yaml")]
+    assert eval_main([*argv, "--recurrences", "1", "--out", str(out)]) == 0
+    table = (out / "table.md").read_text()
+    assert all(f"| {name} | exact_match,flexible-extract |" in table for name in ("perm", "perm_6", "perm_7"))
+
+
 def test_unknown_task_is_a_clear_error(task_manager) -> None:
     from titan_recur.eval.harness import check_tasks
 

@@ -30,6 +30,10 @@ examples:
   python tools/compare.py outputs/rec outputs/static --task outputs/task/perm_12.yaml --checkpoints \\
       --limit 200 --max-gen-toks 8 --out outputs/compare
 
+  # every length of tools/make_depth_task.py --out outputs/task: its group file (tasks from its folder)
+  python tools/compare.py outputs/rec outputs/static --task outputs/task/perm.yaml --max-gen-toks 2 \\
+      --out outputs/compare
+
 Errors are one line on stderr, exit code 2, before any model is loaded.
 """
 
@@ -76,7 +80,9 @@ def build_parser() -> Parser:
         "checkpoints, else 1); sets the micro-steps per step of the full FLOP convention",
     )
     what = p.add_argument_group("what to measure (at least one)")
-    what.add_argument("--task", help="comma-separated lm-eval task names, globs or YAML files")
+    what.add_argument(
+        "--task", help="comma-separated lm-eval task names, globs or YAML files (a group file runs its tasks)"
+    )
     what.add_argument("--data", help="held-out file for the loss: .jsonl/.json, .parquet, else plain text")
     harness = p.add_argument_group("harness")
     harness.add_argument(

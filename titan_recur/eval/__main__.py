@@ -362,6 +362,7 @@ def run_harness(args: argparse.Namespace) -> None:
         markdown_table,
         plot_accuracy,
         results_table,
+        task_folders,
         write_results,
     )
     from titan_recur.eval.lm_eval_model import TitanRecurLM
@@ -370,8 +371,9 @@ def run_harness(args: argparse.Namespace) -> None:
     model_args = simple_parse_args_string(args.model_args)
     check_harness_model(model_args)  # the model first: a typo in its path is one line, not a dataset search
     check_recurrence_bound(args.recurrences or [], "--recurrences")
-    task_manager = TaskManager(include_path=[str(p) for p in (PROJECT_TASKS, *args.include_path)])
-    tasks = check_tasks([t for t in args.tasks.split(",") if t], task_manager)  # before the (slow) model load
+    tasks = [t for t in args.tasks.split(",") if t]
+    task_manager = TaskManager(include_path=[str(p) for p in (PROJECT_TASKS, *task_folders(tasks), *args.include_path)])
+    tasks = check_tasks(tasks, task_manager)  # before the (slow) model load
     check_task_data(tasks, task_manager)  # each task's dataset, before the model load too
     try:
         lm = TitanRecurLM(**model_args)

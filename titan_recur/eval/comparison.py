@@ -180,11 +180,12 @@ def task_manager(settings: EvalSettings):
     from lm_eval.tasks import TaskManager
 
     from titan_recur.eval.__main__ import PROJECT_TASKS
+    from titan_recur.eval.harness import is_task_file, task_folders
 
-    files_only = bool(settings.tasks) and all(Path(t).is_file() for t in settings.tasks)
-    folders = sorted({str(Path(t).resolve().parent) for t in settings.tasks}) if files_only else []
+    files_only = bool(settings.tasks) and all(is_task_file(t) for t in settings.tasks)
     return TaskManager(
-        include_path=[str(PROJECT_TASKS), *folders, *settings.include_path], include_defaults=not files_only
+        include_path=[str(PROJECT_TASKS), *task_folders(settings.tasks), *settings.include_path],
+        include_defaults=not files_only,
     )
 
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable
@@ -34,15 +35,53 @@ def is_harness_output(path: Path) -> bool:
         return False
 
 
+class _TaskFileLoader(yaml.SafeLoader):
+    """Reads any file lm_eval reads: !function and other tags become None."""
+
+
+_TaskFileLoader.add_multi_constructor("", lambda loader, suffix, node: None)
+
+
+def is_task_file(task: str) -> bool:
+    return task.endswith((".yaml", ".yml")) and Path(task).is_file()
+
+
+def task_folders(tasks: Sequence[str]) -> list[str]:
+    """The folders of the YAML-file tasks: a task manager indexes them, so a group file's member tasks resolve."""
+    return sorted({str(Path(t).resolve().parent) for t in tasks if is_task_file(t)})
+
+
+def group_name(task: str) -> str | None:
+    """The ``group:`` a YAML file declares, else None.
+
+    lm_eval loads a group file given as a path under its task list instead of its name (a crash in
+    TaskManager.load), so a group file is run by its name from its folder's index (task_folders).
+    """
+    if not is_task_file(task):
+        return None
+    try:
+        config = yaml.load(Path(task).read_text(), Loader=_TaskFileLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ValueError(f"task file {task}: {str(err).splitlines()[0]}") from None
+    name = config.get("group") if isinstance(config, dict) and "class" not in config else None
+    return name if isinstance(name, str) else None
+
+
 def check_tasks(tasks: Sequence[str], task_manager: TaskManager) -> list[str]:
-    """The tasks, each a known task/group/tag name, glob of names, or YAML file; unknown names fail here."""
-    unknown = [t for t in tasks if not (task_manager.match_tasks([t]) or Path(t).is_file())]
+    """The tasks to run, each a known task/group/tag name, glob of names, or YAML file (a group file by its
+    name, its folder indexed: task_folders); unknown names fail here."""
+    resolved = [group_name(t) or t for t in tasks]
+    unknown = [
+        task
+        for task, name in zip(tasks, resolved, strict=True)
+        if not (task_manager.match_tasks([name]) or (name == task and is_task_file(task)))
+    ]
     if not tasks or unknown:
         raise ValueError(
             f"unknown task(s) {unknown or list(tasks)}: not in lm_eval's task index or the --include_path folders "
             "(list them with `lm_eval ls tasks`)"
         )
-    return list(tasks)
+    return resolved
 
 
 def setting_label(r: int, exit_threshold: float | None) -> str:
