@@ -3,6 +3,8 @@ the printed lm_eval command (docs/hf.md)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import shlex
 from pathlib import Path
@@ -80,3 +82,46 @@ def test_from_pretrained_verifies_the_manifest(tmp_path: Path) -> None:
     assert not load(flipped, verify_checksums=False).checksums_verified
     (flipped / "manifest.json").unlink()
     assert not load(flipped).checksums_verified
+
+
+def hub_errors() -> list:
+    """What huggingface_hub raises without a login, with HF_HUB_OFFLINE set, on a 401 and without network (the
+    requests, httpx and httpx2 transports of its versions), with the words the one line must hold."""
+    from types import SimpleNamespace
+
+    import requests
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
+
+    unauthorized = SimpleNamespace(status_code=401, headers={}, request=None)
+    errors = [
+        (LocalTokenNotFoundError("Token is required (`token=True`), but no token found."), "hf auth login"),
+        (HfHubHTTPError("401 Client Error: Unauthorized", response=unauthorized), "hf auth login"),
+        (OfflineModeIsEnabled("Cannot reach https://huggingface.co: offline mode is enabled."), "HF_HUB_OFFLINE"),
+        (requests.ConnectionError("Max retries exceeded with url: /api/repos/create"), "cannot reach the Hub"),
+    ]
+    for transport in ("httpx", "httpx2"):
+        with contextlib.suppress(ImportError):
+            errors.append((importlib.import_module(transport).ConnectError("Name or service not known"), "network"))
+    return [
+        pytest.param(error, words, id=f"{type(error).__module__}.{type(error).__name__}") for error, words in errors
+    ]
+
+
+@pytest.mark.parametrize(
+    "error, words", hub_errors(), ids=lambda v: type(v).__name__ if isinstance(v, Exception) else ""
+)
+def test_a_failed_push_is_one_line_and_keeps_the_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, error: Exception, words: str
+) -> None:
+    import huggingface_hub
+
+    def fail(self, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", fail)
+    out = tmp_path / "hf"
+    assert export_cli.main([str(SOURCE), str(out), "--push-to-hub", "someone/tiny-recurrent"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("export_hf.py: error: "), lines
+    assert words in lines[0] and f"hf upload someone/tiny-recurrent {out}" in lines[0], lines[0]
+    assert (out / "model.safetensors").is_file()  # the export is kept for a later upload

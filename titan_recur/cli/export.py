@@ -11,7 +11,8 @@ A recurrent model loads with
 and works with the `lm_eval --model hf ...` command the tool prints (docs/hf.md). The folder
 ships its own modeling code (titan_recur's, inlined): titan_recur need not be installed to use it.
 A static baseline (no recurrent core) is exported as the source family's plain HF model.
-Errors are one line, exit code 2, and nothing is written.
+Errors are one line, exit code 2, and nothing is written; a failed upload (login, network) is one line, exit
+code 1, and keeps the export.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from pathlib import Path
 
 from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 from titan_recur.eval.loading import DTYPES, default_tokenizer_folder, load_checkpoint
-from titan_recur.hf.export import GENERATION_CONFIG_FILE, check_repo_id, export_hf, lm_eval_command, push_to_hub
+from titan_recur.hf.export import (
+    GENERATION_CONFIG_FILE,
+    HubUploadError,
+    check_repo_id,
+    export_hf,
+    lm_eval_command,
+    push_to_hub,
+)
 from titan_recur.models.args import STATE_INITS
 from titan_recur.storage.checkpoint import CheckpointError
 
@@ -96,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"export_hf.py: error: {e}", file=sys.stderr)
         return 2
+    except HubUploadError as e:
+        print(f"export_hf.py: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -402,18 +402,61 @@ def check_repo_id(repo_id: str) -> None:
         raise ExportError(f"--push-to-hub needs a Hub repo id OWNER/NAME, got {repo_id!r}")
 
 
+class HubUploadError(RuntimeError):
+    """An upload that failed at run time (login, network): the export stays, to upload later."""
+
+
 def push_to_hub(folder: Path, repo_id: str, private: bool = False) -> str:
-    """Upload an export to the Hub repo ``repo_id`` (created if missing); returns the commit's URL."""
+    """Upload an export to the Hub repo ``repo_id`` (created if missing); returns the commit's URL.
+
+    A failed login or connection raises HubUploadError, one line naming the cause and the command that
+    uploads the folder later."""
     check_repo_id(repo_id)
     from huggingface_hub import HfApi
 
     api = HfApi()
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    return str(
-        api.upload_folder(
-            folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message="Upload titan_recur HF export"
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        return str(
+            api.upload_folder(
+                folder_path=str(folder),
+                repo_id=repo_id,
+                repo_type="model",
+                commit_message="Upload titan_recur HF export",
+            )
         )
-    )
+    except _upload_errors() as err:
+        raise HubUploadError(
+            f"cannot upload to {repo_id}: {_upload_failure(err)}; the export is kept: upload it later with "
+            f"`hf upload {repo_id} {folder}`"
+        ) from None
+
+
+def _upload_errors() -> tuple[type[Exception], ...]:
+    """OSError (huggingface_hub's HTTP, token and offline errors, requests' errors) and the transport errors of
+    the httpx clients later huggingface_hub versions speak, which are no OSError."""
+    errors: list[type[Exception]] = [OSError]
+    for client in ("httpx", "httpx2"):
+        try:
+            errors.append(importlib.import_module(client).TransportError)
+        except ImportError:
+            pass
+    return tuple(errors)
+
+
+def _upload_failure(err: Exception) -> str:
+    """The cause of a failed upload, with what to do about it."""
+    from huggingface_hub.errors import LocalTokenNotFoundError, OfflineModeIsEnabled
+
+    cause = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    status = getattr(getattr(err, "response", None), "status_code", None)
+    if isinstance(err, LocalTokenNotFoundError) or status in (401, 403):
+        return f"not logged in, or the token may not write there ({cause}); run `hf auth login` (or set HF_TOKEN)"
+    if isinstance(err, OfflineModeIsEnabled):
+        return "HF_HUB_OFFLINE is set; unset it to upload"
+    if status is None:
+        return f"cannot reach the Hub ({cause}); check the network (a proxy: HTTPS_PROXY)"
+    return f"the Hub answered {status} ({cause})"
 
 
 def _check_output(output: Path, force: bool) -> None:
