@@ -157,3 +157,29 @@ def test_bench_data_measures_every_backend_and_the_pre_tokenized_loader():
     }
     assert set(rates) == {"HF tokenizers", "tiktoken", "sentencepiece", "parquet rows"}, done.stdout
     assert all(rate > 0 for rate in rates.values()), rates
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["quality", "--checkpoint", "{missing}", "--data", "{corpus}"], ["{missing}", "no such checkpoint"]),
+        (["task", "--checkpoint", "{missing}", "--task-dir", "{tmp}"], ["{missing}", "no such checkpoint"]),
+        (["speculative", "--checkpoint", "{missing}", "--task-dir", "{tmp}"], ["{missing}", "no such checkpoint"]),
+        (
+            ["task", "--checkpoint", "{model}", "--task-dir", "{tmp}", "--lengths", "6-7"],
+            ["--task-dir", "eval_6.jsonl"],
+        ),
+        (["speculative", "--checkpoint", "{model}", "--task-dir", "{tmp}", "--lengths", "x"], ["--lengths"]),
+    ],
+)
+def test_bench_generate_input_errors_are_one_line(tmp_path: Path, capsys, argv: list[str], words: list[str]):
+    """A missing model or task folder: one line, exit 2, before any model is loaded."""
+    from tests.torchrun_util import load_tool
+
+    paths = {"{missing}": str(tmp_path / "missing"), "{corpus}": str(REPO_ROOT / "assets" / "corpus" / "math.jsonl")}
+    paths |= {"{tmp}": str(tmp_path), "{model}": str(MODEL)}
+    argv = [paths.get(a, a) for a in argv]
+    assert load_tool("bench_generate").main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench_generate.py: error: "), lines
+    assert all(paths.get(w, w) in lines[0] for w in words), lines[0]

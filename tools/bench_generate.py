@@ -83,6 +83,7 @@ from titan_recur import RecurrentLM
 from titan_recur.inference.decode_program import DecodeProgram
 from titan_recur.inference.engine import GenerationOptions, generate
 from titan_recur.models.model import Decoding
+from titan_recur.storage.checkpoint import CheckpointError
 
 
 class ConcatKVCache:
@@ -493,20 +494,12 @@ def task_settings(args: argparse.Namespace) -> dict[str, dict]:
 
 
 def run_task(args: argparse.Namespace) -> None:
-    import json
-
     from titan_recur.data.tokenizer import load_tokenizer
     from titan_recur.eval.loading import load_checkpoint
 
     model, tokenizer = load_checkpoint(args.checkpoint), load_tokenizer(args.checkpoint)
-    low, _, high = args.lengths.partition("-")
-    lengths = range(int(low), int(high or low) + 1)
-    questions = {}
-    for n in lengths:  # one batch per length: the questions of a length have the same token count
-        rows = [json.loads(line) for line in (args.task_dir / f"eval_{n}.jsonl").open()][: args.limit]
-        ids = torch.tensor([tokenizer.encode(row["prompt"], bos=True, eos=False) for row in rows])
-        answers = torch.tensor([tokenizer.encode(row["completion"], bos=False, eos=False)[0] for row in rows])
-        questions[n] = (ids, answers)
+    lengths = task_lengths(args.lengths)
+    questions = task_questions(args, tokenizer)  # one batch per length: its questions have the same token count
     print(
         f"# {args.checkpoint}: {sum(len(a) for _, a in questions.values())} questions of lengths "
         f"{lengths[0]}-{lengths[-1]}, each decoded token by token from BOS"
@@ -539,13 +532,24 @@ def run_task(args: argparse.Namespace) -> None:
 # --- speculative --------------------------------------------------------------------------------
 
 
+def task_lengths(text: str) -> range:
+    """--lengths 'A-B' (or 'A'): the evaluation lengths."""
+    low, _, high = text.partition("-")
+    try:
+        lengths = range(int(low), int(high or low) + 1)
+    except ValueError:
+        raise ValueError(f"--lengths expects a length or a range A-B, got {text!r}") from None
+    if not lengths or lengths[0] < 1:
+        raise ValueError(f"--lengths expects 1 <= A <= B, got {text!r}")
+    return lengths
+
+
 def task_questions(args: argparse.Namespace, tokenizer) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per evaluation length: (BOS + prompt ids (N, T), answer token ids (N,)); a length's prompts share T."""
     import json
 
-    low, _, high = args.lengths.partition("-")
     questions = {}
-    for n in range(int(low), int(high or low) + 1):
+    for n in task_lengths(args.lengths):
         rows = [json.loads(line) for line in (args.task_dir / f"eval_{n}.jsonl").open()][: args.limit]
         ids = torch.tensor([tokenizer.encode(row["prompt"], bos=True, eos=False) for row in rows])
         answers = torch.tensor([tokenizer.encode(row["completion"], bos=False, eos=False)[0] for row in rows])
@@ -630,8 +634,29 @@ def run_speculative(args: argparse.Namespace) -> None:
                 )
 
 
+def check_inputs(args: argparse.Namespace) -> None:
+    """The model folder and the task's files exist, read before any model is loaded."""
+    from titan_recur.eval.loading import checkpoint_model_args
+
+    if getattr(args, "checkpoint", None) is not None:
+        checkpoint_model_args(args.checkpoint)
+    if getattr(args, "task_dir", None) is not None:
+        missing = [
+            f"eval_{n}.jsonl" for n in task_lengths(args.lengths) if not (args.task_dir / f"eval_{n}.jsonl").is_file()
+        ]
+        if missing:
+            raise FileNotFoundError(
+                f"--task-dir {args.task_dir} has no {', '.join(missing)} (tools/make_depth_task.py --out writes them)"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        check_inputs(args)
+    except (ValueError, FileNotFoundError, CheckpointError) as err:
+        print(f"bench_generate.py: error: {err}", file=sys.stderr)
+        return 2
     commands = {"speed": run_speed, "check": run_check, "memory": run_memory, "quality": run_quality, "task": run_task}
     commands["speculative"] = run_speculative
     commands[args.command](args)
