@@ -380,6 +380,23 @@ def test_lm_eval_cli_with_registered_model(model_dir: Path, monkeypatch: pytest.
     assert "titan_recur_tiny_choice" in capsys.readouterr().out
 
 
+def test_lm_eval_cli_default_device_is_what_exists(model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Without --device, lm_eval asks for its default cuda:0: on a machine without CUDA the model runs on the CPU
+    (as lm_eval's HF backend does) instead of failing; a device= in model_args wins over lm_eval's."""
+    from titan_recur.eval.lm_eval_model import TitanRecurLM
+
+    index_without_lm_eval_tasks(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["lm_eval", "run", "--model", "titan_recur", "--model_args", f"pretrained={model_dir},num_steps=2"]
+    argv += ["--tasks", "titan_recur_tiny_choice", "--include_path", str(LM_EVAL_TASKS), "--limit", "2"]
+    assert eval_main(argv) == 0
+    assert "titan_recur_tiny_choice" in capsys.readouterr().out
+    lm = TitanRecurLM.create_from_arg_string(
+        f"pretrained={model_dir},device=cpu", {"device": "cuda:0", "batch_size": 1}
+    )
+    assert lm.device == torch.device("cpu")
+
+
 # ------------------------------------------------------------------ finite files, held-out files, in-loop parity
 
 

@@ -14,6 +14,7 @@ exit; batched adaptive exit gives every request what it gets alone.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -99,6 +100,27 @@ class TitanRecurLM(TemplateLM):
         )
         self.num_steps = self.model.args.mean_recurrence if num_steps is None else int(num_steps)
         self.depth_stats: dict[str, list[int]] = {}
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> TitanRecurLM:
+        """How lm_eval builds the model (``--model_args`` plus its own ``--device``, ``--batch_size``)."""
+        return cls.create_from_arg_obj(utils.simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> TitanRecurLM:
+        """The model args and lm_eval's settings; a device in the model args wins over lm_eval's.
+
+        lm_eval passes its default device cuda:0 when none is asked for: where CUDA does not exist the
+        model runs on the CPU, with a warning, as lm_eval's own HF backend does.
+        """
+        settings = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        device = settings.pop("device", None)
+        if device is not None and "device" not in arg_dict:
+            if str(device).startswith("cuda") and not torch.cuda.is_available():
+                logging.getLogger(__name__).warning("titan_recur: no CUDA here, so device %s becomes cpu", device)
+                device = "cpu"
+            arg_dict = {**arg_dict, "device": device}
+        return cls(**arg_dict, **settings)
 
     @property
     def num_steps(self) -> int:
