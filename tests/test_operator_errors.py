@@ -756,3 +756,47 @@ def test_a_forked_child_does_not_keep_a_dead_runs_lease(tmp_path, monkeypatch):
         lock.release()
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------------- bad --tokenizer
+
+
+def broken_tokenizer(folder: Path, kind: str) -> Path:
+    """A tokenizer folder that does not load: missing, empty, a tokenizer.json or tokenizer_config.json that does not
+    parse, or a tokenizer.model that is neither tiktoken nor sentencepiece."""
+    if kind == "missing":
+        return folder / "missing"
+    folder.mkdir()
+    if kind == "tokenizer.json":
+        (folder / "tokenizer.json").write_text("{not json")
+    elif kind == "tokenizer_config.json":
+        shutil.copy(MODEL / "tokenizer.json", folder)
+        (folder / "tokenizer_config.json").write_text("{not json")
+    elif kind == "tokenizer.model":
+        (folder / "tokenizer.model").write_text("garbage\n")
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "tokenizer.json", "tokenizer_config.json", "tokenizer.model"])
+@pytest.mark.parametrize("command", ["export", "eval loss", "eval harness"])
+def test_a_bad_tokenizer_folder_is_one_line_before_any_work(tmp_path, capsys, monkeypatch, command, kind):
+    import titan_recur.eval.loading as loading
+    from titan_recur.cli.export import main as export_main
+
+    tokenizer = broken_tokenizer(tmp_path / "tok", kind)
+    out = tmp_path / "out"
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the tokenizer was checked")
+
+    monkeypatch.setattr(loading, "load_model", no_weights)
+    if command == "export":
+        code = export_main([str(MODEL), str(out), "--tokenizer", str(tokenizer)])
+    elif command == "eval loss":
+        code = eval_main(loss_args(tmp_path, "--tokenizer", str(tokenizer), "--out", str(out)))
+    else:
+        pytest.importorskip("lm_eval")
+        argv = ["harness", "--model-args", f"pretrained={MODEL},tokenizer={tokenizer}", "--tasks", "gsm8k_cot_recur"]
+        code = eval_main([*argv, "--out", str(out)])
+    one_error_line(capsys, code, str(tokenizer))
+    assert not out.exists()
