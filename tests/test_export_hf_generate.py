@@ -27,13 +27,13 @@ def tokenizer(folder: Path):
 
 
 def test_sampling_without_temperature_or_top_p(exported: Path, model_dir: Path) -> None:  # noqa: F811
-    """`do_sample=True` alone (generate and pipeline) samples; the engine path (top_k=0) is titan_recur's sampler."""
+    """`do_sample=True` alone (generate and pipeline) samples, with transformers' top_k=50, in titan_recur's engine."""
     from transformers import pipeline
 
     model, tok = load(exported).eval(), tokenizer(exported)
     enc = tok("Question: What is 3 + 4?", return_tensors="pt")
     width = enc.input_ids.shape[1]
-    sampled = model.generate(**enc, do_sample=True, max_new_tokens=5)  # transformers' sampler (top_k=50)
+    sampled = model.generate(**enc, do_sample=True, max_new_tokens=5)
     assert sampled.shape == (1, width + 5)
     text = pipeline("text-generation", model=model, tokenizer=tok)("Question:", do_sample=True, max_new_tokens=4)
     assert text[0]["generated_text"].startswith("Question:")
@@ -70,10 +70,12 @@ def test_export_ships_a_generation_config(exported: Path) -> None:  # noqa: F811
 
 @pytest.mark.parametrize("engine", [True, False])
 def test_sampling_follows_torch_rng_and_a_generator(exported: Path, engine: bool) -> None:  # noqa: F811
-    """Different samples under different torch.manual_seed, identical under the same; a passed generator too."""
+    """Different samples under different torch.manual_seed, identical under the same; a passed generator too.
+    (repetition_penalty: transformers' sampler; the engine serves top_k.)"""
     model = load(exported).eval()
     ids = batch(shape=(2, 4))
-    kwargs = dict(do_sample=True, max_new_tokens=12, eos_token_id=None, top_k=0 if engine else 50)
+    strategy = dict(top_k=50) if engine else dict(repetition_penalty=1.2)
+    kwargs = dict(do_sample=True, max_new_tokens=12, eos_token_id=None, **strategy)
 
     def sample(seed: int) -> torch.Tensor:
         torch.manual_seed(seed)
@@ -147,7 +149,9 @@ def test_generate_with_the_embedding_offloaded_to_disk(exported: Path, tmp_path:
     assert offloaded.model.embed_tokens.weight.device.type == "meta"
     in_memory = load(exported).eval()
     ids = batch(shape=(2, 5))
-    for kwargs in (dict(do_sample=False), dict(do_sample=True, generator=torch.Generator().manual_seed(0))):
+    # output_scores: the in-memory model samples with transformers' sampler too, as an offloaded embedding does.
+    sampled = dict(do_sample=True, output_scores=True, generator=torch.Generator().manual_seed(0))
+    for kwargs in (dict(do_sample=False), sampled):
         expected = in_memory.generate(ids, max_new_tokens=6, eos_token_id=None, **kwargs)
         kwargs = {**kwargs, "generator": torch.Generator().manual_seed(0)} if kwargs["do_sample"] else kwargs
         assert torch.equal(offloaded.generate(ids, max_new_tokens=6, eos_token_id=None, **kwargs), expected)
@@ -242,3 +246,21 @@ def test_sdpa_attention_implementation_is_accepted(exported: Path) -> None:  # n
     sdpa = load(exported, attn_implementation="sdpa").eval()
     assert sdpa.config._attn_implementation == "sdpa"
     assert torch.equal(sdpa.generate(ids, **common), expected)
+
+
+def test_transformers_sampling_defaults_run_with_the_depth_knobs(exported: Path, model_dir: Path) -> None:  # noqa: F811
+    """A generation config with transformers' sampling defaults (top_k 50) runs in the engine with its depth knobs,
+    top_k applied (top_k=1: greedy's tokens, with exit and with speculation)."""
+    from transformers import GenerationConfig
+
+    model = load(exported).eval()
+    ids = batch(shape=(2, 5))
+    knobs = dict(num_steps=6, exit_criterion="latent-diff", exit_threshold=0.3)
+    config = GenerationConfig(do_sample=True, max_new_tokens=8, eos_token_id=None)
+    sampled = model.generate(ids, generation_config=config, seed=7, **knobs)
+    options = GenerationOptions(max_new_tokens=8, temperature=1.0, top_k=50, seed=7, state_init="zero", **knobs)
+    assert torch.equal(sampled[:, 5:], engine_generate(load_model(model_dir), ids, options).tokens)
+    for extra in (knobs, dict(num_steps=6, draft_steps=2)):
+        common = dict(max_new_tokens=8, eos_token_id=None, **extra)
+        top_1 = model.generate(ids, do_sample=True, top_k=1, temperature=0.7, **common)
+        assert torch.equal(top_1, model.generate(ids, **common))

@@ -721,3 +721,30 @@ def test_hf_export_generate_takes_the_depth_knobs(model_dir: Path, tmp_path: Pat
     assert torch.equal(fast[:, ids.shape[1] :], plain.tokens)
     with pytest.raises(ValueError, match="cannot serve beam_search decoding"):
         hf.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2, kv_sharing="latest")
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 50, 1.0), (0.7, 5, 0.9), (1.3, 0, 0.8), (1.0, 1, 0.5)])
+def test_sampling_distribution_is_transformers(temperature: float, top_k: int, top_p: float) -> None:
+    """The engine's sampling distribution is transformers' warpers' (temperature, then top_k, then top_p)."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from titan_recur.inference.sampling import token_probs
+
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)])
+    if top_k:
+        warpers.insert(1, TopKLogitsWarper(top_k))
+    expected = torch.softmax(warpers(None, logits.clone()), dim=-1)
+    probs = token_probs(logits, temperature, top_p, top_k)
+    torch.testing.assert_close(probs / probs.sum(-1, keepdim=True), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_top_k_one_samples_the_argmax(model: RecurrentLM) -> None:
+    """top_k=1 leaves the most likely token only: sampling decodes greedily, speculatively too."""
+    ids, mask = left_pad(prompts(), 0)
+    for knobs in (dict(num_steps=4), dict(num_steps=4, draft_steps=2)):
+        greedy = generate(model, ids, GenerationOptions(max_new_tokens=8, **knobs), attention_mask=mask)
+        options = GenerationOptions(max_new_tokens=8, temperature=1.5, top_k=1, seed=3, **knobs)
+        assert torch.equal(generate(model, ids, options, attention_mask=mask).tokens, greedy.tokens)
+    with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
+        generate(model, ids, GenerationOptions(num_steps=4, top_k=-1), attention_mask=mask)

@@ -298,13 +298,13 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
 
         The generation config is resolved as transformers' generate resolves it (``generation_config``
         or the model's, then the call's kwargs, then transformers' defaults). Greedy and sampled decoding
-        (temperature, top_p; sampling with top_k only when top_k is 0 or None) run titan_recur's engine with its
+        (temperature, top_k, top_p, applied as transformers' warpers apply them) run titan_recur's engine with its
         test-time depth knobs: num_steps (default config.num_steps, else config.mean_recurrence), kv_sharing,
         exit_criterion, exit_threshold, min_steps, check_every, state_init ("previous": warm start), draft_steps
         and lookahead (speculative decoding over depth: drafts at draft_steps, verified at num_steps, the same
         greedy tokens as plain decoding at num_steps) and compile (the engine's fast decode path: one
         CUDA graph per token; default on a GPU, see docs/generation.md). Anything
-        else (beam search, top_k, repetition_penalty, assisted decoding, logits processors, ...) runs
+        else (beam search, repetition_penalty, assisted decoding, logits processors, ...) runs
         transformers' generate through ``forward`` at depth num_steps. Sampling draws from ``generator``, else
         from torch's global RNG (``torch.manual_seed``), else from ``seed`` when given.
         """
@@ -326,7 +326,7 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             if kv_sharing != "full" or exit_criterion is not None or state_init == WARM_START or draft_steps:
                 raise ValueError(
                     f"kv_sharing, exit_criterion, warm start and draft_steps run in titan_recur's engine, which cannot serve "
-                    f"{', '.join(blockers)} (it serves greedy and sampled decoding: temperature, top_p)"
+                    f"{', '.join(blockers)} (it serves greedy and sampled decoding: temperature, top_k, top_p)"
                 )
             return self.transformers_generate(
                 input_ids, attention_mask, generation_config, config, seed, num_steps, state_init, kwargs
@@ -348,6 +348,7 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             state_init=state_init or self.config.state_init,
             temperature=config.temperature if sample else 0.0,
             top_p=config.top_p if sample else 1.0,
+            top_k=(config.top_k or 0) if sample else 0,
             seed=seed if sample else 0,
             eos_id=eos_ids[0] if eos_ids else None,
             draft_steps=draft_steps,
@@ -404,8 +405,6 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             for k, v in config.to_dict().items()
             if k not in ENGINE_CONFIG_FIELDS and not k.startswith("_") and v != defaults.get(k)
         ]
-        if config.do_sample and config.top_k not in (None, 0) and config.top_k < self.model.args.vocab_size:
-            blockers.append(f"top_k={config.top_k} (pass top_k=0 to sample with temperature and top_p only)")
         if input_ids is None:
             blockers.append("no input_ids")
         elif self.model.embed_tokens.weight.device != input_ids.device:
@@ -554,7 +553,7 @@ def default_generation_config() -> GenerationConfig:
 
 
 # Generation config fields the engine serves; any other field away from transformers' default asks for a
-# transformers strategy (top_k is checked apart: it matters when sampling only).
+# transformers strategy.
 ENGINE_CONFIG_FIELDS = {
     "max_length",
     "max_new_tokens",

@@ -417,7 +417,7 @@ def _decode_choose(p: DecodeProgram, logits: torch.Tensor) -> None:
     last = logits[:, -1]
     p.logits.copy_(last.float())
     draw = p.uniforms.index_select(0, p.counter[None])[0]
-    token = choose_tokens(last, opts.temperature, opts.top_p, draw)
+    token = choose_tokens(last, opts.temperature, opts.top_p, opts.top_k, draw)
     if opts.eos_id is not None:
         token = torch.where(p.finished, torch.full_like(token, opts.eos_id), token)
     p.token_steps.copy_(p.steps.masked_fill(p.finished, 0))

@@ -44,7 +44,8 @@ class GenerationOptions:
     threshold ("argmax": unchanged for >= threshold checks). The prompt always runs r iterations.
     state_init: a STATE_INITS name, or "previous" (decoded tokens start from the previous token's
     final state; the prompt from the deterministic eval init); None = the eval init.
-    temperature 0 is greedy; otherwise sampling with top_p, drawing from ``generator`` (None: torch's
+    temperature 0 is greedy; otherwise sampling with top_k (0: off), then top_p, as transformers' warpers
+    (inference/sampling.py), drawing from ``generator`` (None: torch's
     global RNG, so ``torch.manual_seed`` governs it, as in transformers), or from a generator seeded
     with ``seed`` where one is given (give at most one of the two).
     draft_steps, lookahead: speculative decoding over depth (docs/generation.md): each round drafts
@@ -68,6 +69,7 @@ class GenerationOptions:
     state_init: str | None = None
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
     seed: int | None = None
     generator: torch.Generator | None = None
     eos_id: int | None = None
@@ -120,6 +122,8 @@ class GenerationOptions:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
         if self.seed is not None and self.generator is not None:
             raise ValueError("give seed or generator, not both")
         if not _is_int(self.lookahead) or self.lookahead < 1:
@@ -244,7 +248,7 @@ def generate(
         if return_logits:
             logits.append(step.logits[:, -1].float())
         token = choose_tokens(
-            step.logits[:, -1], opts.temperature, opts.top_p, None if uniforms is None else uniforms[t]
+            step.logits[:, -1], opts.temperature, opts.top_p, opts.top_k, None if uniforms is None else uniforms[t]
         )
         if opts.eos_id is not None:
             token = torch.where(finished, torch.full_like(token, opts.eos_id), token)
@@ -386,7 +390,9 @@ def _generate_speculative(
         keys = _columns(keys, start + drafts + 1)
         draft_tokens, draft_logits = runner.draft(last, real, start, keys, drafts, draws(drafts))
         sampled = opts.temperature > 0
-        draft_probs = [token_probs(logits, opts.temperature, opts.top_p) for logits in draft_logits if sampled]
+        draft_probs = [
+            token_probs(logits, opts.temperature, opts.top_p, opts.top_k) for logits in draft_logits if sampled
+        ]
         block = torch.stack([last, *draft_tokens], dim=1)  # (B, drafts + 1)
         keys[:, start : start + drafts + 1] = True
         verify_logits = runner.verify(block, real, start, keys)
@@ -459,7 +465,8 @@ class _EagerSpeculation:
         self.cache.crop(length)
 
     def _choose(self, logits: torch.Tensor, draws: torch.Tensor | None, index: int) -> torch.Tensor:
-        return choose_tokens(logits, self.opts.temperature, self.opts.top_p, None if draws is None else draws[index])
+        opts = self.opts
+        return choose_tokens(logits, opts.temperature, opts.top_p, opts.top_k, None if draws is None else draws[index])
 
 
 class _FastSpeculation:
@@ -568,7 +575,7 @@ def _accept(
         target = target_logits.argmax(dim=-1)
         accepted = (drafts == target[:, :n]).long().cumprod(dim=1).sum(dim=1)
         return accepted, target.gather(1, accepted[:, None])[:, 0]
-    p = token_probs(target_logits, opts.temperature, opts.top_p)
+    p = token_probs(target_logits, opts.temperature, opts.top_p, opts.top_k)
     p = p / p.sum(dim=-1, keepdim=True)
     q = torch.stack(draft_probs, dim=1) if n else p[:, :0]
     q = q / q.sum(dim=-1, keepdim=True)

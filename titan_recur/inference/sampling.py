@@ -1,4 +1,4 @@
-"""The token choice of every decoding path: argmax, or a top-p sample picked by a uniform draw.
+"""The token choice of every decoding path: argmax, or a top-k/top-p sample picked by a uniform draw.
 
 The draws are tensors made before decoding, so the choice holds no RNG call: a compiled or captured
 decode step can make it, and eager and compiled decoding pick the same tokens from the same seed.
@@ -11,11 +11,16 @@ from typing import cast
 import torch
 
 
-def token_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """(..., V) fp32 sampling distribution of logits: the softmax at ``temperature`` (> 0), restricted to
-    the smallest set of tokens whose mass reaches ``top_p`` (always the most likely token), renormalised
-    by the sampler."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+def token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """(..., V) fp32 sampling distribution of logits, as transformers' warpers make it: the softmax at
+    ``temperature`` (> 0) of the ``top_k`` largest logits (0: all; ties with the k-th kept), restricted to the
+    smallest set of tokens whose mass reaches ``top_p`` (always the most likely token), renormalised by the
+    sampler."""
+    scaled = logits.float() / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
     if top_p < 1:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= top_p, 0)
@@ -24,13 +29,13 @@ def token_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch
 
 
 def choose_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor | None
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, uniforms: torch.Tensor | None
 ) -> torch.Tensor:
-    """(B,) next tokens from (B, V) logits: argmax at temperature 0, else the top-p sample that the
+    """(B,) next tokens from (B, V) logits: argmax at temperature 0, else the top-k/top-p sample that the
     uniform draws (B,) in [0, 1) pick (``sample_by_uniforms``)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    return sample_by_uniforms(token_probs(logits, temperature, top_p), cast(torch.Tensor, uniforms))
+    return sample_by_uniforms(token_probs(logits, temperature, top_p, top_k), cast(torch.Tensor, uniforms))
 
 
 def sample_by_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
