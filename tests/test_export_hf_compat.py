@@ -59,8 +59,8 @@ result["trainer_loss"] = float(model(**collated).loss)
 model.train()
 grads = []
 for checkpointing in (False, True):
-    if checkpointing:
-        model.gradient_checkpointing_enable()
+    if checkpointing:  # transformers 5's name; 4.57 has only gradient_checkpointing_enable (5.x: deprecated alias)
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     model.zero_grad()
     model(ids, labels=ids, num_steps=(1, 2), state_init="zero").loss.backward()
     grads.append([p.grad.clone() for p in model.parameters()])
