@@ -391,3 +391,22 @@ def test_a_task_group_yaml_is_accepted(tiny_run: Path, depth_task: Path, tmp_pat
     assert {"perm", "perm_6", "perm_7"} <= set(scores)
     assert all(0 <= scores[t][METRIC] <= 1 for t in ("perm_6", "perm_7"))
     assert "## perm_6" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--seq-len", "0"], ["--seq-len must be >= 1, got 0"]),
+        (["--seq-len", "-3"], ["--seq-len must be >= 1, got -3"]),
+        (["--seq-len", "100000"], ["--seq-len 100000 exceeds", "max_seq_len 2048", "{run}"]),
+    ],
+)
+def test_cli_bounds_are_one_line_before_any_model_loads(tiny_run, tmp_path, capsys, argv, words) -> None:
+    data = str(REPO / "assets" / "corpus" / "math.jsonl")
+    with pytest.raises(SystemExit) as exit_info:
+        load_tool("compare").main([str(tiny_run), "--data", data, *argv, "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("compare.py: error:"), lines
+    assert all(w.replace("{run}", str(tiny_run)) in lines[0] for w in words), lines[0]
+    assert not (tmp_path / "out").exists()

@@ -800,3 +800,10 @@ def test_a_bad_tokenizer_folder_is_one_line_before_any_work(tmp_path, capsys, mo
         code = eval_main([*argv, "--out", str(out)])
     one_error_line(capsys, code, str(tokenizer))
     assert not out.exists()
+
+
+@pytest.mark.parametrize("ranks, words", [("0", ">= 1, got 0"), ("-2", ">= 1, got -2"), ("1000000000", "1000000000")])
+def test_eval_loss_refuses_data_ranks_out_of_bounds(tmp_path, capsys, ranks, words):
+    code = eval_main(loss_args(tmp_path, "--data-ranks", ranks))
+    one_error_line(capsys, code, "--data-ranks", words)
+    assert not (tmp_path / "loss").exists()

@@ -14,11 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from titan_recur.config import DATA_FORMATS, ConfigError
 from titan_recur.storage.checkpoint import CheckpointError
-from titan_recur.utils.limits import check_recurrence_bound
+from titan_recur.utils.limits import check_at_least, check_recurrence_bound, check_seq_len
+
+if TYPE_CHECKING:
+    from titan_recur.eval.comparison import Run
 
 EPILOG = """\
 examples:
@@ -126,6 +131,15 @@ def check_run_folder(folder: Path) -> None:
         )
 
 
+def check_seq_len_fits(runs: Sequence[Run], seq_len: int) -> None:
+    """--seq-len rows fit the positions of every run's model."""
+    for run in runs:
+        try:
+            check_seq_len(seq_len, run.flops.args.max_seq_len)
+        except ValueError as err:
+            raise ValueError(f"{run.folder}: {err}") from None
+
+
 def progress_bar(total: int):
     """A tqdm bar over models x r on a terminal; silent otherwise."""
     from tqdm import tqdm
@@ -145,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--labels names {len(labels)} runs, {len(ns.runs)} given")
         if ns.data and not Path(ns.data).is_file():
             raise ValueError(f"--data {ns.data}: no such file")
-        if min(ns.batch_size, ns.max_gen_toks, ns.loss_batches, ns.loss_batch_size, ns.seq_len or 1) < 1:
-            raise ValueError("--batch-size, --max-gen-toks, --loss-batches, --loss-batch-size, --seq-len must be >= 1")
+        if min(ns.batch_size, ns.max_gen_toks, ns.loss_batches, ns.loss_batch_size) < 1:
+            raise ValueError("--batch-size, --max-gen-toks, --loss-batches, --loss-batch-size must be >= 1")
+        check_at_least(ns.seq_len, "--seq-len")
         check_recurrence_bound(ns.recurrences, "--recurrences")
         if ns.world_size is not None and ns.world_size < 1:
             raise ValueError(f"--world-size must be >= 1, got {ns.world_size}")
@@ -156,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             read_run(folder, world_size=ns.world_size, label=label, checkpoints=ns.checkpoints)
             for folder, label in zip(ns.runs, labels, strict=True)
         ]
+        if ns.seq_len is not None:
+            check_seq_len_fits(runs, ns.seq_len)
         settings = EvalSettings(
             recurrences=ns.recurrences,
             tasks=[t for t in (ns.task or "").split(",") if t],

@@ -38,6 +38,9 @@ from titan_recur.utils.resources import project_folder
 
 DEFAULT_RECURRENCES = "1,2,4,8,16,32"
 DATA_BATCH_SIZE, DATA_SEQ_LEN = 8, 1024
+# --data-ranks reads the data once per rank (each rank's loader keeps every N-th document): 4096 is far past the
+# paper runs' 64 ranks, and a typo (1000000000) is refused instead of reading until killed.
+MAX_DATA_RANKS = 4096
 # The project's task configs (tasks/ of the checkout, or shipped in the wheel), always on the harness's include path.
 PROJECT_TASKS = project_folder("tasks")
 
@@ -249,6 +252,10 @@ def run_loss(args: argparse.Namespace) -> None:
     check_out(args.out, [JSON_NAME, PLOT_NAME], args.force, is_loss_report, "an eval loss report")
     for name in ("seq_len", "batches", "batch_size", "data_ranks"):
         check_at_least(getattr(args, name), f"--{name.replace('_', '-')}")
+    if args.data_ranks > MAX_DATA_RANKS:
+        raise ValueError(
+            f"--data-ranks {args.data_ranks} is above {MAX_DATA_RANKS} (the data-parallel ranks a run has)"
+        )
     settings, in_loop = rows_settings(
         args.config, args.batches, args.batch_size, args.seq_len, args.data_ranks, DATA_BATCH_SIZE, DATA_SEQ_LEN
     )
