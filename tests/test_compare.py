@@ -410,3 +410,49 @@ def test_cli_bounds_are_one_line_before_any_model_loads(tiny_run, tmp_path, caps
     assert len(lines) == 1 and lines[0].startswith("compare.py: error:"), lines
     assert all(w.replace("{run}", str(tiny_run)) in lines[0] for w in words), lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_metrics_file_is_refused_not_read_as_one_rank(tiny_run, tmp_path, capsys) -> None:
+    """An empty metrics.jsonl cannot confirm the run's ranks: one line asking for --world-size; given, it is used."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    (run / "metrics.jsonl").write_text("")
+    data = str(REPO / "assets" / "corpus" / "math.jsonl")
+    with pytest.raises(SystemExit) as exit_info:
+        load_tool("compare").main([str(run), "--data", data, "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"{run / 'metrics.jsonl'} has no step records" in lines[0], lines
+    assert "--world-size" in lines[0] and not (tmp_path / "out").exists()
+    assert read_run(run, world_size=2).world_size == 2
+
+
+def compare_into(run: Path, out: Path, *extra: str) -> None:
+    """compare.py on ``run``: the loss of one row at r=1 into ``out``."""
+    data = str(REPO / "assets" / "corpus" / "math.jsonl")
+    argv = [str(run), "--data", data, "--recurrences", "1", "--loss-batches", "1", "--loss-batch-size", "1"]
+    load_tool("compare").main([*argv, "--seq-len", "16", "--out", str(out), *extra])
+
+
+def test_out_keeps_an_earlier_result_without_force(tiny_run, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    compare_into(tiny_run, out)
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {"compare.json", "compare.md", "loss_vs_r.png", "loss_vs_flops.png"} <= set(first)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        compare_into(tiny_run, out)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1, lines
+    assert f"{out / 'compare.json'} exists; pass --force to replace it" in lines[0]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == first
+    compare_into(tiny_run, out, "--force")
+    assert json.loads((out / "compare.json").read_text())["runs"][0]["label"] == "run"
+    # Not compare's own files: refused even with --force; a file given as --out is never replaced.
+    (out / "compare.json").write_text('{"other": 1}\n')
+    (tmp_path / "notes.txt").write_text("mine\n")
+    for target, words in ((out, "it is not a compare result"), (tmp_path / "notes.txt", "is not a folder")):
+        with pytest.raises(SystemExit):
+            compare_into(tiny_run, target, "--force")
+        assert words in capsys.readouterr().err
+    assert (out / "compare.json").read_text() == '{"other": 1}\n' and (tmp_path / "notes.txt").read_text() == "mine\n"

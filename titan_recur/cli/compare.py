@@ -39,7 +39,8 @@ examples:
   python tools/compare.py outputs/rec outputs/static --task outputs/task/perm.yaml --max-gen-toks 2 \\
       --out outputs/compare
 
-Errors are one line on stderr, exit code 2, before any model is loaded.
+Errors are one line on stderr, exit code 2, before any model is loaded. An earlier result in --out is
+replaced only with --force.
 """
 
 
@@ -71,6 +72,9 @@ def build_parser() -> Parser:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="trainer dump folders (recurrent or static)")
     p.add_argument("--labels", help="comma-separated run names for tables and plots (default: folder names)")
     p.add_argument("--out", type=Path, default=Path("outputs/compare"), help="output folder (default outputs/compare)")
+    p.add_argument(
+        "--force", action="store_true", help="replace an earlier result in --out (never a file of another kind)"
+    )
     p.add_argument(
         "--recurrences",
         type=parse_ints,
@@ -151,10 +155,11 @@ def progress_bar(total: int):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    from titan_recur.eval.comparison import EvalSettings, compare, read_run, task_manager, write_report
+    from titan_recur.eval.comparison import EvalSettings, check_out, compare, read_run, task_manager, write_report
 
     labels = ns.labels.split(",") if ns.labels else [None] * len(ns.runs)
     try:
+        check_out(ns.out, ns.force)
         if len(labels) != len(ns.runs):
             raise ValueError(f"--labels names {len(labels)} runs, {len(ns.runs)} given")
         if ns.data and not Path(ns.data).is_file():

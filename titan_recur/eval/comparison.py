@@ -21,13 +21,14 @@ from typing import Any, cast
 
 from titan_recur.config import DataFormat, JobConfig, load_config
 from titan_recur.storage.checkpoint import read_metadata, scan_checkpoints
-from titan_recur.storage.model_io import read_model_args
+from titan_recur.storage.model_io import check_output_files, read_model_args
 from titan_recur.training.cost_model import CONVENTIONS, TrainingRun, config_training_run
 from titan_recur.training.recurrence import RecurrenceSchedule
 from titan_recur.utils.plots import figure_vs_r, pyplot, save_figure
 
 CONFIG_NAME, METRICS_NAME, FINAL_MODEL = "config.json", "metrics.jsonl", "final_model"
 JSON_NAME, MARKDOWN_NAME = "compare.json", "compare.md"
+MARKDOWN_TITLE = "# Compute-matched comparison"
 # Headline metric of a task when --metric is not given: the first of these the task reports.
 PREFERRED_METRICS = ("exact_match,flexible-extract", "exact_match,strict-match", "exact_match,none", "acc,none")
 _RANK_ENTRY = re.compile(r"^rng\.rank_(\d+)")  # the trainer's per-rank RNG state: one entry per rank
@@ -104,6 +105,11 @@ def read_run(
     if progress == 0:
         raise ValueError(f"{folder}: no progress yet (no {METRICS_NAME} records, checkpoints or {FINAL_MODEL})")
     saved_world = checkpoint_world_size(ckpt_folder / f"step-{steps[-1]}") if steps else None
+    if not records and (folder / METRICS_NAME).is_file() and world_size is None and saved_world is None:
+        raise ValueError(
+            f"{folder / METRICS_NAME} has no step records and the run no checkpoint, so nothing confirms its "
+            "data-parallel ranks (the micro-steps of the FLOP count): pass --world-size, the ranks it trained on"
+        )
     if world_size is not None and saved_world is not None and world_size != saved_world:
         raise ValueError(
             f"{folder}: its checkpoints were written by {saved_world} rank(s), --world-size says {world_size}"
@@ -359,7 +365,7 @@ def _value_at(run: dict[str, Any], point: dict[str, Any], q: Quantity, r: int) -
 def markdown(report: dict[str, Any], qs: Sequence[Quantity]) -> str:
     """One table per quantity: a row per evaluated model, FLOPs in both conventions, a column per r."""
     rs = report["recurrences"]
-    lines = ["# Compute-matched comparison", ""]
+    lines = [MARKDOWN_TITLE, ""]
     for run in report["runs"]:
         kind = (
             f"recurrent {tuple(run['shape'])}, train mean r {run['train_mean_recurrence']}"
@@ -458,6 +464,29 @@ def plot_vs_flops(report: dict[str, Any], q: Quantity, path: Path) -> None:
     axes[1].legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, path)
+
+
+def is_compare_output(path: Path) -> bool:
+    """A file compare writes: its compare.json (a report with runs and recurrences), compare.md or a PNG plot."""
+    try:
+        if path.suffix == ".png":
+            return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        text = path.read_text()
+        if path.name == MARKDOWN_NAME:
+            return text.startswith(MARKDOWN_TITLE)
+        report = json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(report, dict) and {"runs", "recurrences"} <= set(report)
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Before any work: ``out`` is a folder (or not yet), holding no earlier result unless ``force`` (then only
+    compare's own files are replaced)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    plots = sorted(out.glob("*_vs_r.png")) + sorted(out.glob("*_vs_flops.png")) if out.is_dir() else []
+    check_output_files([out / JSON_NAME, out / MARKDOWN_NAME, *plots], force, is_compare_output, "a compare result")
 
 
 def write_report(report: dict[str, Any], out: str | Path, metric: str | None = None) -> list[Path]:
