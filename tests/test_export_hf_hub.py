@@ -125,3 +125,56 @@ def test_a_failed_push_is_one_line_and_keeps_the_export(
     assert len(lines) == 1 and lines[0].startswith("export_hf.py: error: "), lines
     assert words in lines[0] and f"hf upload someone/tiny-recurrent {out}" in lines[0], lines[0]
     assert (out / "model.safetensors").is_file()  # the export is kept for a later upload
+
+
+def trained_run(folder: Path) -> Path:
+    """A run folder as the trainer leaves it, in seconds: config.json (a data source, 3 steps), metrics.jsonl and
+    the tiny recurrent model as final_model."""
+    import shutil
+
+    from titan_recur.config import DataSource, JobConfig, config_to_json
+
+    cfg = JobConfig()
+    cfg.model.path = str(SOURCE)
+    cfg.data.sources = [DataSource(name="math", path="assets/corpus/math.jsonl", kind="jsonl")]
+    cfg.training.steps, cfg.training.seq_len, cfg.training.global_batch_size = 3, 32, 16
+    folder.mkdir()
+    (folder / "config.json").write_text(config_to_json(cfg))
+    (folder / "metrics.jsonl").write_text('{"step": 3, "loss": 2.5, "tokens_seen": 1536}\n')
+    shutil.copytree(SOURCE, folder / "final_model")
+    return folder
+
+
+def test_model_card_describes_the_model_its_training_and_results(tmp_path: Path) -> None:
+    """The card of a run's final model: its name, source and layer map, shape and depth knobs, the run's data and
+    steps, the given eval table, limits and the citation; without a run or a table those sections are left out."""
+    from huggingface_hub import ModelCard
+
+    run = trained_run(tmp_path / "run")
+    table = tmp_path / "table.md"
+    table.write_text(
+        "| task | metric | r=1 | r=4 |\n|---|---|---|---|\n| perm_7 | exact_match,none | 0.1250 | 0.5000 |\n"
+    )
+    out = tmp_path / "tiny-recurrent-hf"
+    assert export_cli.main([str(run / "final_model"), str(out), "--eval-table", str(table)]) == 0
+    text = ModelCard.load(out / "README.md").text
+    assert "# tiny-recurrent-hf" in text and "`assets/tiny_llama`" in text
+    assert "prelude: source layers 0; core: source layers 5, 6; coda: source layers 7; dropped: 1, 2, 3, 4" in text
+    assert "1 prelude, 2 core, 1 coda" in text and "d 64" in text and "r defaults to 4" in text
+    assert "## Training" in text and "math (assets/corpus/math.jsonl)" in text
+    assert "3 of 3 steps" in text and "1,536 tokens" in text and "global batch 16" in text and "mean r 32" in text
+    assert "| perm_7 | exact_match,none | 0.1250 | 0.5000 |" in text
+    assert "## Limits" in text and "@article{mcleish2025retrofitted" in text
+    plain = tmp_path / "plain"
+    assert export_cli.main([str(SOURCE), str(plain)]) == 0
+    text = ModelCard.load(plain / "README.md").text
+    assert "## Training" not in text and "| perm_7 |" not in text and "## Limits" in text
+
+
+def test_a_bad_eval_table_is_refused_before_writing(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "notes.txt").write_text("not a table\n")
+    for table in (tmp_path / "missing.md", tmp_path / "notes.txt"):
+        assert export_cli.main([str(SOURCE), str(tmp_path / "hf"), "--eval-table", str(table)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and f"--eval-table {table}" in lines[0], lines
+        assert not (tmp_path / "hf").exists()

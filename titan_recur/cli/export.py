@@ -10,7 +10,9 @@ A recurrent model loads with
   model(ids, num_steps=32); model.generate(ids, num_steps=32)
 and works with the `lm_eval --model hf ...` command the tool prints (docs/hf.md). The folder
 ships its own modeling code (titan_recur's, inlined): titan_recur need not be installed to use it.
-A static baseline (no recurrent core) is exported as the source family's plain HF model.
+A static baseline (no recurrent core) is exported as the source family's plain HF model. The model card
+(README.md) describes the model, its source and layer map, the training run it comes from (when the
+checkpoint is in a run's folder), the --eval-table results, limits and the citation.
 Errors are one line, exit code 2, and nothing is written; a failed upload (login, network) is one line, exit
 code 1, and keeps the export.
 """
@@ -32,6 +34,7 @@ from titan_recur.hf.export import (
     export_hf,
     lm_eval_command,
     push_to_hub,
+    training_run,
 )
 from titan_recur.models.args import STATE_INITS
 from titan_recur.storage.checkpoint import CheckpointError
@@ -65,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="export a model folder that has no manifest.json, its files unchecked (the export is sealed anew)",
     )
     parser.add_argument(
+        "--eval-table",
+        type=Path,
+        help="a markdown results table for the model card (the table.md of python -m titan_recur.eval harness)",
+    )
+    parser.add_argument(
         "--push-to-hub",
         metavar="REPO",
         help="then upload OUTPUT to the Hub repo OWNER/NAME (created if missing; needs a login)",
@@ -77,6 +85,7 @@ def run(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.push_to_hub is not None:
         check_repo_id(args.push_to_hub)  # before anything is written
+    eval_table = read_eval_table(args.eval_table) if args.eval_table is not None else None
     tokenizer_folder = args.tokenizer or default_tokenizer_folder(args.checkpoint, args.model_config)
     model_args = checkpoint_model_args(args.checkpoint, args.model_config)
     check_vocab(open_tokenizer(tokenizer_folder), model_args.vocab_size)  # before the weights load
@@ -91,6 +100,8 @@ def run(argv: list[str] | None = None) -> None:
         force=args.force,
         source=args.model_config or args.checkpoint,
         repo_id=args.push_to_hub,
+        run=training_run(args.checkpoint),
+        eval_table=eval_table,
     )
     kind = "recurrent (trust_remote_code)" if model.args.is_recurrent else "static"
     print(f"wrote {kind} HF model to {args.output}")
@@ -98,6 +109,17 @@ def run(argv: list[str] | None = None) -> None:
     print(f"evaluate it as the project's harness does:\n  {lm_eval_command(args.output, eos_id)}")
     if args.push_to_hub is not None:
         print(f"uploaded to {push_to_hub(args.output, args.push_to_hub, private=args.private)}")
+
+
+def read_eval_table(path: Path) -> str:
+    """The --eval-table file's text: a markdown table (its first line starts with '|')."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--eval-table {path}: cannot read it ({type(err).__name__})") from None
+    if not text.lstrip().startswith("|"):
+        raise ValueError(f"--eval-table {path} is not a markdown table (eval harness writes one: table.md)")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

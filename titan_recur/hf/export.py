@@ -241,13 +241,16 @@ def export_hf(
     force: bool = False,
     source: str | Path | None = None,
     repo_id: str | None = None,
+    run: Path | None = None,
+    eval_table: str | None = None,
 ) -> Path:
     """Write the HF folder of ``model``; returns it. Nothing is left behind on failure.
 
     mean_recurrence: default iterations of the export (None: the model's); state_init: default
     state init (None: the deterministic eval init, ``ModelArgs.eval_state_init``). source: the folder the
     model was loaded from, whose provenance (conversion.json) the model card reports; repo_id: the Hub repo
-    the card's usage names (default: the output folder).
+    the card's usage names (default: the output folder); run: the training run the model comes from
+    (``training_run``), whose data and steps the card reports; eval_table: a markdown results table for the card.
     """
     output = Path(output)
     _check_output(output, force)
@@ -271,7 +274,15 @@ def export_hf(
     state = {k: v.to(device="cpu", dtype=DTYPES[dtype]) for k, v in tensors}
 
     special_ids = special_token_ids(args, Path(tokenizer_folder))
-    card = model_card(args, config, special_ids, repo_id or str(output), Path(source) if source is not None else None)
+    card = model_card(
+        args,
+        config,
+        special_ids,
+        repo_id or str(output),
+        Path(source) if source is not None else None,
+        run=run,
+        eval_table=eval_table,
+    )
 
     def write(folder: Path) -> None:
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -311,13 +322,21 @@ def transformers_version() -> str:
 
 
 def model_card(
-    args: ModelArgs, config: dict[str, Any], special_ids: dict[str, int | None], name: str, source: Path | None
+    args: ModelArgs,
+    config: dict[str, Any],
+    special_ids: dict[str, int | None],
+    name: str,
+    source: Path | None,
+    run: Path | None = None,
+    eval_table: str | None = None,
 ) -> str:
-    """README.md of an export: Hub metadata (YAML front matter), usage, the depth knobs, the lm_eval command and
-    the model's provenance (the conversion's source and options, when the source folder records them)."""
+    """README.md of an export: Hub metadata (YAML front matter), usage, the depth knobs, the model (shape, source
+    and layer map), its training when the run is known, the lm_eval command and a results table when given,
+    limits and the citation."""
     from huggingface_hub import ModelCardData
 
-    provenance = _read_json(source / CONVERSION_FILE) if source is not None else None
+    run_config = _read_json(run / "config.json") if run is not None else None
+    provenance = _provenance(source, run_config)
     base = provenance.get("source") if provenance else None
     base_model = base if base and HUB_ID.fullmatch(base) and not Path(base).exists() else None
     tags = ["titan_recur", "depth-recurrent", "custom_code"] if args.is_recurrent else ["titan_recur"]
@@ -365,17 +384,144 @@ def model_card(
         ]
     else:
         lines += ["print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32)[0]))", "```"]
+    lines += _model_section(args, config, provenance)
+    if run_config is not None and run is not None:
+        lines += _training_section(run, run_config, args.is_recurrent)
     lines += ["", "## Evaluation", "", "```", lm_eval_command(name, special_ids["eos_token_id"]), "```"]
+    if eval_table:
+        lines += ["", "Results (`python -m titan_recur.eval harness`: each task and metric at test recurrence r):", ""]
+        lines += [eval_table.strip()]
+    lines += _limits_section(args)
+    lines += [
+        "",
+        "## Citation",
+        "",
+        "titan_recur implements the method of this paper:",
+        "",
+        "```bibtex",
+        CITATION,
+        "```",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+CITATION = """@article{mcleish2025retrofitted,
+  title   = {Teaching Pretrained Language Models to Think Deeper with Retrofitted Recurrence},
+  author  = {McLeish, Sean and others},
+  journal = {arXiv preprint arXiv:2511.07384},
+  year    = {2025}
+}"""
+
+
+def training_run(checkpoint: str | Path) -> Path | None:
+    """The trainer's dump folder a run's final_model/ or checkpoints/step-N sits in (its config.json is a training
+    config), else None."""
+    for folder in list(Path(checkpoint).resolve().parents)[:2]:
+        config = _read_json(folder / "config.json")
+        if isinstance(config, dict) and {"job", "training"} <= set(config):
+            return folder
+    return None
+
+
+def _provenance(source: Path | None, run_config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The conversion record (conversion.json) of the source folder, else of the run's starting model."""
+    for folder in (source, (run_config or {}).get("model", {}).get("path")):
+        record = _read_json(Path(folder) / CONVERSION_FILE) if folder else None
+        if record is not None:
+            return record
+    return None
+
+
+def _model_section(args: ModelArgs, config: dict[str, Any], provenance: dict[str, Any] | None) -> list[str]:
+    lines = [
+        "",
+        "## Model",
+        "",
+        f"- Shape: {args.n_prelude} prelude, {args.n_core} core, {args.n_coda} coda layers of {args.block_type} blocks, "
+        f"d {args.dim}, {args.n_heads} heads ({args.n_kv_heads} KV) of {args.head_dim}, FFN {args.ffn_dim}, "
+        f"vocabulary {args.vocab_size}, context {args.max_seq_len} tokens.",
+    ]
+    if args.is_recurrent:
+        lines.append(
+            f"- Recurrence: the core runs r times per token; r defaults to {config['mean_recurrence']} in this export "
+            f"(the model folder's default: {args.mean_recurrence}); the initial state at evaluation is "
+            f"{args.eval_state_init}."
+        )
     if provenance:
         options = ", ".join(f"{k}={v}" for k, v in provenance.get("options", {}).items())
-        lines += [
-            "",
-            "## Provenance",
-            "",
-            f"Converted from `{base}` ({provenance.get('architecture')}, {provenance.get('n_source_layers')} "
-            f"layers) with {options}.",
-        ]
-    return "\n".join(lines) + "\n"
+        lines.append(
+            f"- Source: `{provenance.get('source')}` ({provenance.get('architecture')}, "
+            f"{provenance.get('n_source_layers')} layers), converted with {options}."
+        )
+    if args.source_layers:
+        parts = "; ".join(
+            f"{part}: " + (f"source layers {layers}" if part != "dropped" else layers)
+            for part, layers in ((p, ", ".join(map(str, ids))) for p, ids in args.source_layers.items() if ids)
+        )
+        lines.append(f"- Layer map: {parts}.")
+    return lines
+
+
+def _training_section(run: Path, config: dict[str, Any], recurrent: bool) -> list[str]:
+    """The run's data, batch and progress, from its config.json and metrics.jsonl."""
+    data, training, recurrence = config.get("data", {}), config.get("training", {}), config.get("recurrence", {})
+    mixtures = [data.get("sources", []), *(phase.get("sources", []) for phase in data.get("phases", []))]
+    sources = [
+        f"{s['name']} ({s.get('path')})" if s.get("name") else str(s.get("path"))
+        for mixture in mixtures
+        for s in mixture
+    ]
+    steps = [r for r in _json_lines(run / "metrics.jsonl") if "tokens_seen" in r]
+    progress = (
+        f"{steps[-1]['step']} of {training.get('steps')} steps, {steps[-1]['tokens_seen']:,} tokens"
+        if steps
+        else f"{training.get('steps')} steps planned"
+    )
+    batch = (
+        f"global batch {training['global_batch_size']} sequences"
+        if training.get("global_batch_size")
+        else f"batch {training.get('local_batch_size')} sequences per rank"
+    )
+    lines = [
+        "",
+        "## Training",
+        "",
+        f"- Data: {', '.join(sources) or 'see the run folder config.json'}.",
+        f"- {progress}; sequences of {training.get('seq_len')} tokens, {batch}.",
+    ]
+    if recurrent:
+        lines.append(
+            f"- Recurrence schedule: mean r {recurrence.get('mean_recurrence')}, curriculum "
+            f"{recurrence.get('curriculum')}, backpropagation depth {recurrence.get('backprop_depth')}."
+        )
+    return lines
+
+
+def _limits_section(args: ModelArgs) -> list[str]:
+    depth = (
+        " Depth beyond the r it was trained at is untested unless the results above show it; each iteration costs"
+        " a pass through the core."
+        if args.is_recurrent
+        else ""
+    )
+    return [
+        "",
+        "## Limits",
+        "",
+        "A research artifact, measured only as shown here." + depth + " It inherits the source model's data, biases "
+        "and license terms; it has not been evaluated for safety.",
+    ]
+
+
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file; none without it, a line cut short by a crash skipped."""
+    records = []
+    for line in (path.read_text() if path.is_file() else "").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [r for r in records if isinstance(r, dict)]
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
