@@ -143,7 +143,8 @@ torch.save(logits, {str(tmp_path / "logits.pt")!r})
 def test_inlining_refuses_a_dependency_it_does_not_ship(monkeypatch: pytest.MonkeyPatch) -> None:
     import titan_recur.hf.export as export
 
-    monkeypatch.setattr(export, "INLINED_MODULES", ("titan_recur.models.args", "titan_recur.convert.surgery"))
+    inlined = ("titan_recur.models.families", "titan_recur.models.args", "titan_recur.convert.surgery")
+    monkeypatch.setattr(export, "INLINED_MODULES", inlined)
     with pytest.raises(ExportError, match=r"surgery.py:\d+: cannot inline \["):
         standalone_modeling_source()
 
