@@ -95,7 +95,7 @@ def test_the_effect_reproduces_on_its_own_run(mini: Path, report: dict) -> None:
     at_r1, at_r4, baseline = (
         long_chains[("recurrent_s0", "1")],
         long_chains[("recurrent_s0", "4")],
-        long_chains[("static_x1", "1")],
+        long_chains[("static_x1_s0", "1")],
     )
     assert at_r4 > at_r1 + 0.15, long_chains
     assert at_r4 > baseline + 0.15, long_chains
@@ -116,7 +116,7 @@ def test_pipeline_stages_and_matched_steps(mini: Path, report: dict) -> None:
         "convert_recurrent",
         "convert_static",
         "match",
-        "train_static_x1",
+        "train_static_x1_s0",
         "train_recurrent_s0",
         "compare",
         "summarize",
@@ -218,7 +218,10 @@ def test_report_files(mini: Path, report: dict) -> None:
         for kind in ("vs_r", "vs_flops"):
             assert (out / f"{name}_{kind}.png").stat().st_size > 5000
     summary = (mini / "summary" / "summary.md").read_text()
-    assert "## Accuracy on the long chains (7-12 operators)" in summary and "| static_x1 (static) |" in summary
+    assert (
+        "## Accuracy on the long chains (7-12 operators)" in summary and "| static_x1 (static), 1 seed(s) |" in summary
+    )
+    assert "Evaluation questions held out of training at lengths 7-12." in summary
     for name in ("long_vs_r", "long_vs_flops"):
         assert (mini / "summary" / f"{name}.png").stat().st_size > 5000
 
@@ -226,19 +229,19 @@ def test_report_files(mini: Path, report: dict) -> None:
 def test_world_size_is_checked(mini: Path, tmp_path: Path) -> None:
     runs = mini / "runs"
     with pytest.raises(ValueError, match="written by 2 rank"):
-        read_run(runs / "static_x1", world_size=1)
+        read_run(runs / "static_x1_s0", world_size=1)
     # Without checkpoints: a batch that does not split, or logged tokens that give a wrong world size away.
-    for name in ("recurrent_s0", "static_x1"):
+    for name in ("recurrent_s0", "static_x1_s0"):
         shutil.copytree(runs / name, tmp_path / name, ignore=shutil.ignore_patterns("checkpoints"))
     assert read_run(tmp_path / "recurrent_s0").world_size == 1  # no checkpoint: 1 unless given; same tokens/step
     with pytest.raises(ValueError, match="must be a multiple"):  # 8 sequences x 4 ranks > the global batch of 16
         read_run(tmp_path / "recurrent_s0", world_size=4)
-    config = json.loads((tmp_path / "static_x1" / "config.json").read_text())
+    config = json.loads((tmp_path / "static_x1_s0" / "config.json").read_text())
     config["training"]["global_batch_size"] = None  # then the batch is 8 x ranks: 1 rank halves the logged tokens
-    (tmp_path / "static_x1" / "config.json").write_text(json.dumps(config))
-    assert read_run(tmp_path / "static_x1", world_size=2).flops.tokens_per_step == 16 * 64
+    (tmp_path / "static_x1_s0" / "config.json").write_text(json.dumps(config))
+    assert read_run(tmp_path / "static_x1_s0", world_size=2).flops.tokens_per_step == 16 * 64
     with pytest.raises(ValueError, match="pass the run's --world-size"):
-        read_run(tmp_path / "static_x1", world_size=1)
+        read_run(tmp_path / "static_x1_s0", world_size=1)
 
 
 def test_in_process_loss_only_with_progress(mini: Path) -> None:
@@ -254,7 +257,7 @@ def test_in_process_loss_only_with_progress(mini: Path) -> None:
     )
     calls = []
     result = compare(
-        [read_run(mini / "runs" / "recurrent_s0"), read_run(mini / "runs" / "static_x1")],
+        [read_run(mini / "runs" / "recurrent_s0"), read_run(mini / "runs" / "static_x1_s0")],
         settings,
         progress=lambda total: lambda: calls.append(total),
     )
@@ -280,7 +283,7 @@ def test_in_process_loss_only_with_progress(mini: Path) -> None:
 def test_cli_errors_are_one_line(mini, tmp_path, capsys, argv: list[str], words: list[str]) -> None:
     tool = load_tool("compare")
     data = str(mini / "task" / "validation.jsonl")
-    argv = [a.replace("{static}", str(mini / "runs" / "static_x1")).replace("{data}", data) for a in argv]
+    argv = [a.replace("{static}", str(mini / "runs" / "static_x1_s0")).replace("{data}", data) for a in argv]
     with pytest.raises(SystemExit) as exit_info:
         tool.main([*argv, "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
@@ -297,7 +300,7 @@ def test_cli_prints_the_table(mini, tmp_path, capsys) -> None:
         tool.main(
             [
                 str(mini / "runs" / "recurrent_s0"),
-                str(mini / "runs" / "static_x1"),
+                str(mini / "runs" / "static_x1_s0"),
                 "--labels",
                 "rec,stat",
                 "--data",

@@ -3,7 +3,7 @@
 # project's own trainer, and check it before it may be shipped. Deterministic (one process, one thread):
 # the same machine type gives bit-identical weights.
 #
-#   bash tools/make_mini_source.sh [--out DIR] [--layers N] [--install]
+#   bash tools/make_mini_source.sh [--out DIR] [--layers N] [--task perm|arith] [--install]
 #
 # Stages:
 #   1. task      tools/make_depth_task.py: the permutation word problem (perm seed 0), training chains of
@@ -16,26 +16,39 @@
 #   4. export    tools/export_hf.py: an ordinary HF folder (LlamaForCausalLM), what convert_hf.py reads
 #   5. gate      the harness at every training length 1-6: each must be >= 0.99 exact match, else exit 1
 #                (a source that has not learned its lengths gives no retrofit effect: docs/results.md)
-# --layers N builds the same recipe with N blocks (default 4; docs/surgery.md's study uses 6). --install
-# copies the checked folder to assets/perm_llama (4 layers only).
+# --layers N builds the same recipe with N blocks (default 4; docs/surgery.md's study uses 6). --task arith
+# builds it on the variable-binding arithmetic task instead (rows of 160 tokens; then
+# bash tools/reproduce_mini.sh --task arith --source OUT/hf). --install copies the checked folder to
+# assets/perm_llama (perm, 4 layers only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=outputs/mini_source
 INSTALL=0
 LAYERS=4
+TASK=perm
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=${2:?--out needs a folder}; shift ;;
     --install) INSTALL=1 ;;
     --layers) LAYERS=${2:?--layers needs a number}; shift ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --task) TASK=${2:?--task needs perm or arith}; shift ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "make_mini_source.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
 if ! [[ "$LAYERS" =~ ^[1-9][0-9]*$ ]] || { [ "$INSTALL" = 1 ] && [ "$LAYERS" != 4 ]; }; then
   echo "make_mini_source.sh: error: --layers takes an integer >= 1 (and --install the default 4), got $LAYERS" >&2
+  exit 2
+fi
+case "$TASK" in
+  perm) SEQ_LEN=64 ;;
+  arith) SEQ_LEN=160 ;;  # reproduce_mini.sh's: a 16-step question is ~140 tokens
+  *) echo "make_mini_source.sh: error: --task takes perm or arith, got $TASK" >&2; exit 2 ;;
+esac
+if [ "$INSTALL" = 1 ] && [ "$TASK" != perm ]; then
+  echo "make_mini_source.sh: error: --install replaces assets/perm_llama, the perm task's source; not with --task $TASK" >&2
   exit 2
 fi
 if [ -e "$OUT" ] && [ ! -f "$OUT/.make_mini_source" ] && [ -n "$(ls -A "$OUT")" ]; then
@@ -50,8 +63,8 @@ mkdir -p "$OUT/configs"
 touch "$OUT/.make_mini_source"
 
 for spec in 1-2:21 1-4:22 1-6:1; do  # training lengths : question seed
-  "$PY" tools/make_depth_task.py --out "$OUT/task_${spec%:*}" --train-lengths "${spec%:*}" --eval-lengths 1-12 \
-    --seed "${spec#*:}"
+  "$PY" tools/make_depth_task.py --task "$TASK" --out "$OUT/task_${spec%:*}" --train-lengths "${spec%:*}" --eval-lengths 1-12 \
+    --extrapolation-lengths none --seed "${spec#*:}"
 done
 
 cat > "$OUT/configs/pretrain.toml" <<TOML
@@ -71,7 +84,7 @@ vocab_size = 512
 [training]
 steps = 4000
 local_batch_size = 16
-seq_len = 64
+seq_len = $SEQ_LEN
 compile = false
 ac_mode = "none"
 
@@ -132,7 +145,7 @@ path = "$OUT/pretrain/final_model"
 [training]
 steps = 300
 local_batch_size = 16
-seq_len = 64
+seq_len = $SEQ_LEN
 compile = false
 ac_mode = "none"
 
@@ -169,7 +182,7 @@ TOML
 "$PY" -m titan_recur.train --config "$OUT/configs/marginals.toml"
 "$PY" tools/export_hf.py "$OUT/marginals/final_model" "$OUT/hf"
 
-TASKS=$(ls "$OUT"/task_1-6/perm_*.yaml | awk -F'perm_' '{print $NF "\t" $0}' | sort -n | cut -f2 | paste -sd, -)  # by length
+TASKS=$(ls "$OUT/task_1-6/${TASK}"_[0-9]*.yaml | awk -F"${TASK}_" '{print $NF "\t" $0}' | sort -n | cut -f2 | paste -sd, -)  # by length
 "$PY" -m titan_recur.eval harness --model-args "pretrained=$OUT/marginals/final_model,batch_size=100,max_gen_toks=2" \
   --tasks "$TASKS" --recurrences 1 --out "$OUT/gate"
 "$PY" - "$OUT/gate/table.json" <<'PY'

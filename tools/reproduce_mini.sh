@@ -3,26 +3,31 @@
 # into a pretrained model beat post-training it without recurrence, and does accuracy grow with
 # test-time depth?
 #
-#   bash tools/reproduce_mini.sh [--quick] [--seeds N] [--steps N] [--eval-examples N] [--out DIR] [--source HF_FOLDER]
-#                                [--surgery "CONVERT FLAGS"] [--static-factors "1 2 4" | --static-factors ""]
+#   bash tools/reproduce_mini.sh [--quick] [--seeds 0,1,2] [--steps N] [--eval-examples N] [--out DIR] [--task perm|arith]
+#                                [--source HF_FOLDER] [--surgery "CONVERT FLAGS"] [--static-factors "1 2 4" | --static-factors ""]
 #
 # Stages (fixed seeds, offline; each training run is one process of one thread, two runs at a time):
 #   1. task     tools/make_depth_task.py: the permutation word problem (8 states, two fixed permutations
 #               generating A_8, `3 a b a = 5`), training chains of 1-12 operators, 100 questions per
-#               length 1..12 for evaluation (one harness task each)
+#               length 1..12 for evaluation and 13..16 beyond training (one harness task each), held out of
+#               the training file wherever a length has room (5-16; 1-4 have too few questions)
 #   2. convert  tools/convert_hf.py on the source (assets/perm_llama: a 4-layer d-128 Llama pretrained by
 #               this trainer on chains of 1-6, which it solves; tools/make_mini_source.sh rebuilds it):
 #               recurrent 1,2,1 (nothing dropped, identity adapter: r = 1 is the source exactly), static
 #   3. match    tools/flops.py --match: the static steps costing the recurrent arm's training FLOPs
-#   4. train    the recurrent arm once per seed (1-sqrt curriculum to mean 4 over 75% of the steps,
-#               backprop depth 4, Muon, loss on every token, 400 steps of 16 x 64 tokens), and the static
-#               arm at 1x, 2x and 4x the matched FLOPs (same data, optimizer and schedule shape)
+#   4. train    per seed (runs recurrent_s<seed>, static_x<factor>_s<seed>): the recurrent arm (1-sqrt
+#               curriculum to mean 4 over 75% of the steps, backprop depth 4, Muon, loss on every token, 400
+#               steps of 16 x 64 tokens), and the static arm at 1x, 2x and 4x the matched FLOPs (same data,
+#               optimizer and schedule shape)
 #   5. compare  tools/compare.py: exact match per chain length (harness, greedy generation) and the
 #               answer-only held-out loss at r = 1..32 for every run; tools/summarize_mini.py: the tables
-#               with mean and spread over seeds, and the headline plots, in OUT/summary.md
+#               with means over seeds and 95% intervals, and the headline plots, in OUT/summary
+# --seeds: the seeds of every arm (default 0,1,2). --task arith: the variable-binding arithmetic task
+# (`a = 3 ; b = a + 5 ; c = b * 7 ; c mod 10 ?`, rows of 160 tokens) on a source pretrained on it
+# (bash tools/make_mini_source.sh --task arith, then --source OUT/model).
 # --surgery replaces --shape 1,2,1 in the recurrent conversion (e.g. "--prelude 0 --core 1-2 --coda 5",
 # docs/surgery.md's study); --static-factors chooses the static arms ("" for none).
-# --quick: one seed, 120 steps, the 1x static arm, 50 questions per length 7-12 (long chains only),
+# --quick: seed 0, 120 steps, the 1x static arm, 50 questions per length 7-12 (long chains only),
 # r = 1 and 4, both runs on 2 ranks (torchrun + gloo + FSDP2): the test suite's run, which asserts the
 # effect's direction on it.
 set -euo pipefail
@@ -30,29 +35,45 @@ cd "$(dirname "$0")/.."
 
 QUICK=0
 OUT=outputs/mini
-SOURCE=assets/perm_llama
+TASK=perm
+SOURCE=
 SEEDS_ARG= STEPS_ARG= EVAL_ARG= SURGERY= FACTORS_ARG=unset
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
-    --seeds) SEEDS_ARG=${2:?--seeds needs a number}; shift ;;
+    --seeds) SEEDS_ARG=${2:?--seeds needs a list of seeds}; shift ;;
+    --task) TASK=${2:?--task needs perm or arith}; shift ;;
     --steps) STEPS_ARG=${2:?--steps needs a number}; shift ;;
     --eval-examples) EVAL_ARG=${2:?--eval-examples needs a number}; shift ;;
     --out) OUT=${2:?--out needs a folder}; shift ;;
     --source) SOURCE=${2:?--source needs an HF model folder}; shift ;;
     --surgery) SURGERY=${2:?--surgery needs convert_hf.py flags}; shift ;;
     --static-factors) FACTORS_ARG=${2?--static-factors needs a list}; shift ;;
-    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "reproduce_mini.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
-for value in "$SEEDS_ARG" "$STEPS_ARG" "$EVAL_ARG"; do
+for value in "$STEPS_ARG" "$EVAL_ARG"; do
   if [ -n "$value" ] && ! [[ "$value" =~ ^[1-9][0-9]*$ ]]; then
-    echo "reproduce_mini.sh: error: --seeds, --steps and --eval-examples take an integer >= 1, got $value" >&2
+    echo "reproduce_mini.sh: error: --steps and --eval-examples take an integer >= 1, got $value" >&2
     exit 2
   fi
 done
+if [ -n "$SEEDS_ARG" ] && ! [[ "$SEEDS_ARG" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+  echo "reproduce_mini.sh: error: --seeds takes a comma-separated list of seeds (e.g. 0,1,2), got $SEEDS_ARG" >&2
+  exit 2
+fi
+case "$TASK" in
+  perm) SOURCE=${SOURCE:-assets/perm_llama}; SEQ_LEN=64 ;;
+  arith)
+    SEQ_LEN=160
+    if [ -z "$SOURCE" ]; then
+      echo "reproduce_mini.sh: error: --task arith needs --source: a model pretrained on it (bash tools/make_mini_source.sh --task arith)" >&2
+      exit 2
+    fi ;;
+  *) echo "reproduce_mini.sh: error: --task takes perm or arith, got $TASK" >&2; exit 2 ;;
+esac
 
 [ -x .venv/bin/python ] || bash tools/setup_env.sh
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -61,12 +82,15 @@ PY=.venv/bin/python
 SHAPE=1,2,1
 MEAN=4
 if [ "$QUICK" = 1 ]; then
-  SEEDS=1; STEPS=120; EVAL_EXAMPLES=50; EVAL_LENGTHS=7-12; RECURRENCES=1,4; FACTORS="1"; LOSS_BATCHES=2; RANKS=2
+  SEEDS=0; STEPS=120; EVAL_EXAMPLES=50; EVAL_LENGTHS=7-12; EXTRAPOLATION=none; RECURRENCES=1,4; FACTORS="1"
+  LOSS_BATCHES=2; RANKS=2
 else
-  SEEDS=3; STEPS=400; EVAL_EXAMPLES=100; EVAL_LENGTHS=1-12; RECURRENCES=1,2,4,8,16,32; FACTORS="1 2 4"; LOSS_BATCHES=16
-  RANKS=1
+  SEEDS=0,1,2; STEPS=400; EVAL_EXAMPLES=100; EVAL_LENGTHS=1-12; EXTRAPOLATION=13-16; RECURRENCES=1,2,4,8,16,32
+  FACTORS="1 2 4"; LOSS_BATCHES=16; RANKS=1
 fi
 SEEDS=${SEEDS_ARG:-$SEEDS}
+SEED_LIST=${SEEDS//,/ }
+FIRST_SEED=${SEED_LIST%% *}
 STEPS=${STEPS_ARG:-$STEPS}
 EVAL_EXAMPLES=${EVAL_ARG:-$EVAL_EXAMPLES}
 [ "$FACTORS_ARG" = unset ] || FACTORS=$FACTORS_ARG
@@ -149,7 +173,7 @@ path = "$2"
 steps = $3
 local_batch_size = $(( 16 / RANKS ))
 global_batch_size = 16
-seq_len = 64
+seq_len = $SEQ_LEN
 compile = false
 ac_mode = "none"
 
@@ -171,7 +195,7 @@ keep_latest_k = 0
 
 [data]
 [[data.sources]]
-name = "perm_task"
+name = "${TASK}_task"
 path = "$OUT/task/train.jsonl"
 kind = "jsonl"
 shuffle_buffer = 10000
@@ -182,15 +206,15 @@ enable_tensorboard = false
 TOML
 }
 
-stage task "$PY" tools/make_depth_task.py --out "$OUT/task" --train-lengths 1-12 --eval-lengths "$EVAL_LENGTHS" \
-  --eval-examples "$EVAL_EXAMPLES" --seed 0
+stage task "$PY" tools/make_depth_task.py --task "$TASK" --out "$OUT/task" --train-lengths 1-12 \
+  --eval-lengths "$EVAL_LENGTHS" --extrapolation-lengths "$EXTRAPOLATION" --eval-examples "$EVAL_EXAMPLES" --seed 0
 # shellcheck disable=SC2086  # --surgery is a list of flags
 stage convert_recurrent "$PY" tools/convert_hf.py "$SOURCE" "$OUT/models/recurrent" ${SURGERY:---shape $SHAPE} \
   --mean-recurrence "$MEAN"
 stage convert_static "$PY" tools/convert_hf.py "$SOURCE" "$OUT/models/static" --static
 
 RUNS=()
-for (( seed = 0; seed < SEEDS; seed++ )); do
+for seed in $SEED_LIST; do
   write_config "recurrent_s$seed" "$OUT/models/recurrent" "$STEPS" "$seed" "mean_recurrence = $MEAN
 backprop_depth = $MEAN
 curriculum = \"1-sqrt\"
@@ -200,9 +224,9 @@ seed = $(( 514229 + seed ))"
 done
 STATIC_RECURRENCE="mean_recurrence = 1
 curriculum = \"none\""
-write_config static_x1 "$OUT/models/static" 1 0 "$STATIC_RECURRENCE"
-stage match "$PY" tools/flops.py --config "$OUT/configs/recurrent_s0.toml" --world-size "$RANKS" \
-  --match "$OUT/configs/static_x1.toml" --json > "$OUT/flops_match.json"
+write_config static_match "$OUT/models/static" 1 0 "$STATIC_RECURRENCE"
+stage match "$PY" tools/flops.py --config "$OUT/configs/recurrent_s$FIRST_SEED.toml" --world-size "$RANKS" \
+  --match "$OUT/configs/static_match.toml" --json > "$OUT/flops_match.json"
 MATCHED=$("$PY" -c 'import json, sys
 m = json.load(open(sys.argv[1]))["matched_steps"]; print(round(m["paper"]), round(m["full"]))' "$OUT/flops_match.json")
 read -r STATIC_STEPS STATIC_STEPS_FULL <<< "$MATCHED"
@@ -210,20 +234,23 @@ echo "compute-matched static steps: $STATIC_STEPS (paper convention), $STATIC_ST
 
 STATIC=()
 for factor in $FACTORS; do
-  write_config "static_x$factor" "$OUT/models/static" $(( factor * STATIC_STEPS )) 0 "$STATIC_RECURRENCE"
-  STATIC=("static_x$factor" "${STATIC[@]}")  # the longest first: two runs at a time then finish sooner
-  RUNS+=("$OUT/runs/static_x$factor")
+  for seed in $SEED_LIST; do
+    write_config "static_x${factor}_s$seed" "$OUT/models/static" $(( factor * STATIC_STEPS )) "$seed" "$STATIC_RECURRENCE"
+    STATIC=("static_x${factor}_s$seed" "${STATIC[@]}")  # the longest first: two runs at a time then finish sooner
+    RUNS+=("$OUT/runs/static_x${factor}_s$seed")
+  done
 done
 [ "${#STATIC[@]}" -gt 0 ] && in_background "${STATIC[0]}"
-for (( seed = 0; seed < SEEDS; seed++ )); do in_background "recurrent_s$seed"; done
+for seed in $SEED_LIST; do in_background "recurrent_s$seed"; done
 for name in "${STATIC[@]:1}"; do in_background "$name"; done
 finish
 
-TASKS=$(ls "$OUT"/task/perm_*.yaml | awk -F'perm_' '{print $NF "\t" $0}' | sort -n | cut -f2 | paste -sd, -)  # by length
+TASKS=$(ls "$OUT/task/${TASK}"_[0-9]*.yaml | awk -F"${TASK}_" '{print $NF "\t" $0}' | sort -n | cut -f2 | paste -sd, -)  # by length
 stage compare "$PY" tools/compare.py "${RUNS[@]}" --task "$TASKS" --data "$OUT/task/validation.jsonl" \
   --format prompt_completion --loss-batches "$LOSS_BATCHES" --recurrences "$RECURRENCES" --checkpoints \
   --batch-size 100 --max-gen-toks 2 --out "$OUT/compare"
-stage summarize "$PY" tools/summarize_mini.py "$OUT/compare/compare.json" --out "$OUT/summary"
+stage summarize "$PY" tools/summarize_mini.py "$OUT/compare/compare.json" --task "$OUT/task/task.json" \
+  --out "$OUT/summary"
 
 # total: the elapsed wall time (training runs overlap, two at a time) and the CPU seconds of every stage.
 awk -F'\t' -v wall="$(awk -v t0="$START" -v t1="$(date +%s.%N)" 'BEGIN {print t1 - t0}')" \
@@ -235,6 +262,6 @@ cat <<TXT
 Done. Compute-matched static steps: $STATIC_STEPS (paper convention), $STATIC_STEPS_FULL (full).
   summary:  $OUT/summary/summary.md ($OUT/summary/summary.json, $OUT/summary/*.png)
   tables:   $OUT/compare/compare.md ($OUT/compare/compare.json), per chain length and run
-  runs:     $OUT/runs/{recurrent_s*,static_x*} (metrics.jsonl, checkpoints/, final_model/)
+  runs:     $OUT/runs/{recurrent_s*,static_x*_s*} (metrics.jsonl, checkpoints/, final_model/)
   timings:  $TIMINGS (wall and CPU seconds per stage; training stages overlap, total is the elapsed wall)
 TXT

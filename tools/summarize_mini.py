@@ -1,21 +1,28 @@
 """Summarize tools/reproduce_mini.sh's comparison: accuracy per chain length over seeds, and the headline plots.
 
-    python tools/summarize_mini.py OUT/compare/compare.json --out OUT/summary [--long 7-12]
+    python tools/summarize_mini.py OUT/compare/compare.json --task OUT/task/task.json --out OUT/summary [--long 7-12]
 
 Reads compare.json (tools/compare.py; tasks named <prefix>_<length>, as tools/make_depth_task.py
-writes them) and writes into --out:
-  summary.json   per run kind (the recurrent seeds together; each static arm) and point: accuracy per
-                 length, the mean over the long lengths and over the short ones, the answer-only
-                 held-out loss, training FLOPs; recurrent cells as mean, min and max over the seeds
+writes them) and the task's task.json (questions per length, the extrapolation lengths, which lengths
+are held out of training), and writes into --out:
+  summary.json   per arm (the seeds of an arm together: recurrent_s0, recurrent_s1, ... form "recurrent",
+                 static_x2_s0, ... form "static_x2") and point: accuracy per length, the means over the
+                 long, short and extrapolation lengths, the answer-only held-out loss, training FLOPs;
+                 every accuracy as the mean over the seeds, their min and max, and the 95% Wilson
+                 interval of the pooled questions (questions x lengths x seeds)
+  summary.csv    one line per arm, point, r and length group: what the tables show, for other tools
   summary.md     the tables of docs/results.md
-  long_vs_r.png  long-chain accuracy vs test r: recurrent mean with its min-max band, static arms as lines
+  long_vs_r.png  long-chain accuracy vs test r: recurrent mean with its interval, static arms as lines
   long_vs_flops.png  long-chain accuracy vs training FLOPs (paper convention): every evaluated point
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
+import math
 import re
 import statistics
 import sys
@@ -54,59 +61,127 @@ def accuracy(scores: dict[str, float]) -> float:
     return next(scores[m] for m in (*PREFERRED_METRICS, *scores) if m in scores)
 
 
-def point_cells(entry: dict[str, Any], lengths: dict[str, int], long: range) -> dict[str, Any]:
-    """One model at one r: accuracy per length, the long and short means, the loss."""
+def point_cells(entry: dict[str, Any], lengths: dict[str, int], groups: dict[str, set[int]]) -> dict[str, Any]:
+    """One model at one r: accuracy per length, the mean of each length group, the loss."""
     per_length = {lengths[t]: accuracy(s) for t, s in entry.get("tasks", {}).items() if t in lengths}
-    long_acc = [a for n, a in per_length.items() if n in long]
-    short_acc = [a for n, a in per_length.items() if n not in long]
-    return {
-        "per_length": dict(sorted(per_length.items())),
-        "long": statistics.fmean(long_acc) if long_acc else None,
-        "short": statistics.fmean(short_acc) if short_acc else None,
-        "loss": entry.get("loss"),
-    }
+    cells: dict[str, Any] = {"per_length": dict(sorted(per_length.items())), "loss": entry.get("loss")}
+    for group, members in groups.items():
+        values = [a for n, a in per_length.items() if n in members]
+        cells[group] = (statistics.fmean(values), len(values)) if values else None
+    return cells
+
+
+_SEED = re.compile(r"_s\d+$")
 
 
 def run_kind(run: dict[str, Any]) -> str:
-    """Seeds of one arm share a kind: 'recurrent', or the static run's label (static_x1, ...)."""
-    return "recurrent" if run["recurrent"] else run["label"]
+    """Seeds of one arm share a kind: 'recurrent', or the static arm's label without its seed (static_x1, ...)."""
+    return "recurrent" if run["recurrent"] else _SEED.sub("", run["label"])
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "n": len(values)}
+def wilson(successes: float, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion (sound near 0 and 1, where the normal one is not)."""
+    p = successes / trials
+    center = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, center - half), min(1.0, center + half)
 
 
-def summarize(report: dict[str, Any], long: range) -> dict[str, Any]:
+def spread(values: list[float], questions: int | None = None) -> dict[str, Any]:
+    """Mean, min and max over seeds; with ``questions`` (per seed), the Wilson interval of the pooled count."""
+    cell: dict[str, Any] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "n": len(values)}
+    if questions:
+        trials = questions * len(values)
+        cell["questions"] = trials
+        cell["low"], cell["high"] = wilson(round(cell["mean"] * trials), trials)
+    return cell
+
+
+def length_groups(lengths: dict[str, int], long: range, task: dict[str, Any]) -> dict[str, set[int]]:
+    """The long, extrapolation and short lengths among those the report evaluated."""
+    evaluated = set(lengths.values())
+    extrapolation = set(task.get("extrapolation_lengths") or []) & evaluated
+    long_set = (set(long) & evaluated) - extrapolation
+    return {"long": long_set, "extrapolation": extrapolation, "short": evaluated - long_set - extrapolation}
+
+
+def summarize(report: dict[str, Any], long: range, task: dict[str, Any]) -> dict[str, Any]:
     lengths = task_lengths(report)
+    groups = length_groups(lengths, long, task)
+    per_question = int(task["eval_examples"])
     kinds: dict[str, list[dict[str, Any]]] = {}
     for run in report["runs"]:
         kinds.setdefault(run_kind(run), []).append(run)
-    out: dict[str, Any] = {"recurrences": report["recurrences"], "long_lengths": [long[0], long[-1]], "arms": {}}
+    out: dict[str, Any] = {
+        "recurrences": report["recurrences"],
+        "long_lengths": [long[0], long[-1]],
+        "groups": {group: sorted(members) for group, members in groups.items()},
+        "held_out_lengths": task.get("held_out_lengths"),
+        "not_held_out_lengths": task.get("not_held_out_lengths"),
+        "questions_per_length": per_question,
+        "chance": 1 / int(task.get("states") or task.get("modulus") or 1),
+        "arms": {},
+    }
     for kind, runs in kinds.items():
         points = []
         for index in range(min(len(run["points"]) for run in runs)):  # the same checkpoints in every seed
             per_seed = [run["points"][index] for run in runs]
             cells = {}
             for r in report["recurrences"] if runs[0]["recurrent"] else report["recurrences"][:1]:
-                seeds = [point_cells(p["results"][str(r)], lengths, long) for p in per_seed]
-                cells[str(r)] = {
-                    key: spread([s[key] for s in seeds])
-                    for key in ("long", "short", "loss")
-                    if all(s[key] is not None for s in seeds)
-                } | {"per_length": {n: spread([s["per_length"][n] for s in seeds]) for n in seeds[0]["per_length"]}}
+                seeds = [point_cells(p["results"][str(r)], lengths, groups) for p in per_seed]
+                cell: dict[str, Any] = {
+                    group: spread([s[group][0] for s in seeds], per_question * seeds[0][group][1])
+                    for group in groups
+                    if all(s[group] is not None for s in seeds)
+                }
+                if all(s["loss"] is not None for s in seeds):
+                    cell["loss"] = spread([s["loss"] for s in seeds])
+                cell["per_length"] = {
+                    n: spread([s["per_length"][n] for s in seeds], per_question) for n in seeds[0]["per_length"]
+                }
+                cells[str(r)] = cell
             points.append({"step": per_seed[0]["step"], "flops": per_seed[0]["flops"], "results": cells})
         out["arms"][kind] = {
             "recurrent": runs[0]["recurrent"],
             "seeds": len(runs),
+            "runs": [run["label"] for run in runs],
             "points": points,
             "train_mean_recurrence": runs[0]["train_mean_recurrence"],
         }
+    out["flops_to_reach"] = flops_to_reach(out)
     return out
 
 
-def fmt(cell: dict[str, float] | None) -> str:
+TARGETS = (0.5, 0.7, 0.8, 0.9, 0.95)
+
+
+def flops_to_reach(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per target long-chain accuracy: the fewest training FLOPs (paper convention) at which any evaluated point
+    of the recurrent arms (at its best r) and of the static arms (halfway checkpoints included) reaches it."""
+    best: dict[str, dict[str, Any]] = {}
+    for target in TARGETS:
+        row: dict[str, Any] = {}
+        for family in ("recurrent", "static"):
+            reached = [
+                (point["flops"]["paper"], kind, point["step"], r)
+                for kind, arm in summary["arms"].items()
+                if arm["recurrent"] == (family == "recurrent")
+                for point in arm["points"]
+                for r, cell in point["results"].items()
+                if "long" in cell and cell["long"]["mean"] >= target
+            ]
+            first = min(reached, default=None)
+            row[family] = None if first is None else dict(zip(("flops", "arm", "step", "r"), first, strict=True))
+        best[f"{target:g}"] = row
+    return best
+
+
+def fmt(cell: dict[str, Any] | None) -> str:
+    """An accuracy as mean [95% Wilson interval]; a loss as mean (min-max over seeds)."""
     if cell is None:
         return ""
+    if "low" in cell:
+        return f"{cell['mean']:.3f} [{cell['low']:.2f}, {cell['high']:.2f}]"
     if cell["n"] == 1 or cell["min"] == cell["max"]:
         return f"{cell['mean']:.2f}"
     return f"{cell['mean']:.2f} ({cell['min']:.2f}-{cell['max']:.2f})"
@@ -116,61 +191,141 @@ def static_arms(summary: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return [(k, a) for k, a in summary["arms"].items() if not a["recurrent"]]
 
 
+GROUP_TITLES = {
+    "long": "Accuracy on the long chains ({lengths} operators)",
+    "extrapolation": "Accuracy beyond every training length ({lengths} operators)",
+    "short": "Accuracy on the short chains ({lengths} operators)",
+    "loss": "Answer-only held-out loss",
+}
+
+
+def span(lengths: list[int]) -> str:
+    return f"{lengths[0]}-{lengths[-1]}" if len(lengths) > 1 else str(lengths[0])
+
+
 def markdown(summary: dict[str, Any]) -> str:
-    rs, long = summary["recurrences"], summary["long_lengths"]
     rec = summary["arms"].get("recurrent")
-    lines = ["# The miniature reproduction", ""]
-    head = "| model | FLOPs (paper) | " + " | ".join(f"r={r}" for r in rs) + " |"
-    rule = "|---|---|" + "---|" * len(rs)
-    for key, title in (
-        ("long", f"Accuracy on the long chains ({long[0]}-{long[1]} operators)"),
-        ("short", "Accuracy on the short chains (the other lengths)"),
-        ("loss", "Answer-only held-out loss"),
-    ):
-        rows = []
-        if rec:
-            final = rec["points"][-1]
-            rows.append(
-                f"| recurrent, {rec['seeds']} seed(s), mean (min-max) | {final['flops']['paper']:.3e} | "
-                + " | ".join(fmt(final["results"][str(r)].get(key)) for r in rs)
+    lines = [
+        "# The miniature reproduction",
+        "",
+        f"Accuracy cells: mean over seeds [95% Wilson interval of the pooled questions, {summary['questions_per_length']}"
+        " per length per seed]; static arms do not loop, so their one value stands under r=1.",
+        f"Evaluation questions held out of training at lengths {span(summary['held_out_lengths'] or [0])}"
+        + (
+            f"; lengths {span(summary['not_held_out_lengths'])} have too few questions to hold out."
+            if summary.get("not_held_out_lengths")
+            else "."
+        ),
+        "",
+    ]
+    for key in ("long", "extrapolation", "short", "loss"):
+        members = summary["groups"].get(key)
+        if key == "loss" or members:
+            title = GROUP_TITLES[key].format(lengths=span(members) if members else "")
+            lines += [f"## {title}", "", *group_table(summary, key), ""]
+    if rec:
+        lines += per_length_table(summary, rec) + training_table(summary) + flops_table(summary)
+    return "\n".join(lines) + "\n"
+
+
+def group_table(summary: dict[str, Any], key: str) -> list[str]:
+    """One row per arm at its final point: the recurrent arm at every r, a static arm under r=1 (the README and
+    docs/results.md quote these tables as written; a test compares them with the shipped summary.json)."""
+    rs = summary["recurrences"]
+    rows = ["| model | FLOPs (paper) | " + " | ".join(f"r={r}" for r in rs) + " |", "|---|---|" + "---|" * len(rs)]
+    rec = summary["arms"].get("recurrent")
+    if rec:
+        final = rec["points"][-1]
+        cells = [fmt(final["results"][str(r)].get(key)) for r in rs]
+        rows.append(
+            f"| recurrent, {rec['seeds']} seed(s) | {final['flops']['paper']:.3e} | " + " | ".join(cells) + " |"
+        )
+    for name, arm in static_arms(summary):
+        final = arm["points"][-1]
+        cells = [fmt(final["results"][str(rs[0])].get(key))] + [""] * (len(rs) - 1)
+        label = f"{name} (static), {arm['seeds']} seed(s)"
+        rows.append(f"| {label} | {final['flops']['paper']:.3e} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def per_length_table(summary: dict[str, Any], rec: dict[str, Any]) -> list[str]:
+    rs = summary["recurrences"]
+    lengths = sorted(rec["points"][-1]["results"][str(rs[0])]["per_length"])
+    lines = [
+        "## Accuracy per chain length (final models, mean over seeds)",
+        "",
+        "| model | " + " | ".join(str(n) for n in lengths) + " |",
+        "|---|" + "---|" * len(lengths),
+    ]
+
+    def row(label: str, cells: dict[Any, Any]) -> str:
+        return f"| {label} | " + " | ".join(f"{cells[n]['mean']:.2f}" if n in cells else "" for n in lengths) + " |"
+
+    for r in rs:
+        lines.append(row(f"recurrent r={r}", rec["points"][-1]["results"][str(r)]["per_length"]))
+    for name, arm in static_arms(summary):
+        lines.append(row(name, arm["points"][-1]["results"][str(rs[0])]["per_length"]))
+    return [*lines, ""]
+
+
+def training_table(summary: dict[str, Any]) -> list[str]:
+    rs = summary["recurrences"]
+    lines = [
+        "## Along training (long chains)",
+        "",
+        "| model | step | FLOPs (paper) | FLOPs (full) | " + " | ".join(f"r={r}" for r in rs) + " |",
+        "|---|---|---|---|" + "---|" * len(rs),
+    ]
+    for name, arm in summary["arms"].items():
+        for p in arm["points"]:
+            cells = [fmt(p["results"][str(r)].get("long")) if str(r) in p["results"] else "" for r in rs]
+            lines.append(
+                f"| {name} | {p['step']} | {p['flops']['paper']:.3e} | {p['flops']['full']:.3e} | "
+                + " | ".join(cells)
                 + " |"
             )
-        for name, arm in static_arms(summary):
-            final = arm["points"][-1]
-            value = fmt(final["results"][str(rs[0])].get(key))
-            rows.append(f"| {name} (static) | {final['flops']['paper']:.3e} | " + " | ".join([value] * len(rs)) + " |")
-        if any(cell for row in rows for cell in row.split("|")[3:-1] if cell.strip()):
-            lines += [f"## {title}", "", head, rule, *rows, ""]
-    if rec:
-        lengths = sorted(rec["points"][-1]["results"][str(rs[0])]["per_length"])
-        lines += [
-            "## Accuracy per chain length (final models)",
-            "",
-            "| model | " + " | ".join(str(n) for n in lengths) + " |",
-            "|---|" + "---|" * len(lengths),
-        ]
-        for r in rs:
-            cells = rec["points"][-1]["results"][str(r)]["per_length"]
-            lines.append(f"| recurrent r={r} | " + " | ".join(fmt(cells.get(n)) for n in lengths) + " |")
-        for name, arm in static_arms(summary):
-            cells = arm["points"][-1]["results"][str(rs[0])]["per_length"]
-            lines.append(f"| {name} | " + " | ".join(fmt(cells.get(n)) for n in lengths) + " |")
-        lines += [
-            "",
-            "## Along training (long chains)",
-            "",
-            "| model | step | FLOPs (paper) | FLOPs (full) | " + " | ".join(f"r={r}" for r in rs) + " |",
-            "|---|---|---|---|" + "---|" * len(rs),
-        ]
-        for name, arm in summary["arms"].items():
-            for p in arm["points"]:
-                cells = [fmt(p["results"].get(str(r), p["results"][str(rs[0])]).get("long")) for r in rs]
-                lines.append(
-                    f"| {name} | {p['step']} | {p['flops']['paper']:.3e} | {p['flops']['full']:.3e} | "
-                    + " | ".join(cells)
-                    + " |"
-                )
-    return "\n".join(lines) + "\n"
+    return [*lines, ""]
+
+
+def flops_table(summary: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Training FLOPs to reach a long-chain accuracy",
+        "",
+        "The first evaluated point (final or halfway checkpoint; the recurrent arm at any r) whose mean reaches it.",
+        "",
+        "| accuracy | recurrent: FLOPs (paper) | at | static: FLOPs (paper) | at | static / recurrent |",
+        "|---|---|---|---|---|---|",
+    ]
+    for target, row in summary["flops_to_reach"].items():
+        rec, static = row["recurrent"], row["static"]
+        cells = []
+        for hit in (rec, static):
+            where = (
+                "" if hit is None else f"{hit['arm']} step {hit['step']}" + (f", r={hit['r']}" if hit is rec else "")
+            )
+            cells += ["not reached" if hit is None else f"{hit['flops']:.3e}", where]
+        ratio = f"{static['flops'] / rec['flops']:.1f}x" if rec and static else ""
+        lines.append(f"| {target} | " + " | ".join(cells) + f" | {ratio} |")
+    return [*lines, ""]
+
+
+def csv_rows(summary: dict[str, Any]) -> str:
+    """Every table cell as one line: arm, step, FLOPs, r, the length group (or one length), mean, min, max, interval."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    fields = ("mean", "min", "max", "low", "high", "questions")
+    writer.writerow(["arm", "step", "flops_paper", "flops_full", "r", "group", *fields])
+    for name, arm in summary["arms"].items():
+        for point in arm["points"]:
+            for r, cell in point["results"].items():
+                entries = [(group, cell[group]) for group in (*summary["groups"], "loss") if group in cell]
+                entries += [(f"length_{n}", c) for n, c in cell["per_length"].items()]
+                for group, values in entries:
+                    writer.writerow(
+                        [name, point["step"], point["flops"]["paper"], point["flops"]["full"], r, group]
+                        + [values.get(f, "") for f in fields]
+                    )
+    return out.getvalue()
 
 
 def plot_vs_r(summary: dict[str, Any], path: Path) -> None:
@@ -179,19 +334,25 @@ def plot_vs_r(summary: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=120)
     rec = summary["arms"].get("recurrent")
     if rec:
-        cells = [rec["points"][-1]["results"][str(r)]["long"] for r in rs]
-        ax.plot(
-            rs,
-            [c["mean"] for c in cells],
-            marker="o",
-            label=f"recurrent (train mean r {rec['train_mean_recurrence']}), mean of {rec['seeds']} seed(s)",
-        )
-        ax.fill_between(rs, [c["min"] for c in cells], [c["max"] for c in cells], alpha=0.25)
+        final = rec["points"][-1]["results"]
+        groups = [("long", f"{span(summary['groups']['long'])}")]
+        if summary["groups"].get("extrapolation"):
+            groups.append(("extrapolation", f"{span(summary['groups']['extrapolation'])}, beyond training"))
+        for group, lengths in groups:
+            cells = [final[str(r)][group] for r in rs]
+            ax.plot(
+                rs,
+                [c["mean"] for c in cells],
+                marker="o",
+                linestyle="-" if group == "long" else ":",
+                label=f"recurrent, chains of {lengths} (train mean r {rec['train_mean_recurrence']}, {rec['seeds']} seed(s))",
+            )
+            ax.fill_between(rs, [c["low"] for c in cells], [c["high"] for c in cells], alpha=0.2)
     styles = iter(["--", "-.", ":", (0, (5, 1))])
     for name, arm in static_arms(summary):
         value = arm["points"][-1]["results"][str(rs[0])]["long"]["mean"]
         ax.axhline(value, color="black", linestyle=next(styles, "--"), label=f"static: {name}")
-    ax.axhline(1 / 8, color="grey", linewidth=0.8, label="chance")
+    ax.axhline(summary["chance"], color="grey", linewidth=0.8, label="chance")
     ax.set_xscale("log", base=2)
     ax.set_xticks(rs, [str(r) for r in rs])
     save_accuracy_figure(fig, ax, "test recurrence r", long, path)
@@ -240,6 +401,7 @@ def save_accuracy_figure(fig: Any, ax: Any, xlabel: str, long: list[int], path: 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="summarize_mini.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("report", type=Path, help="compare.json of tools/compare.py")
+    p.add_argument("--task", type=Path, required=True, help="task.json of tools/make_depth_task.py")
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument(
         "--long",
@@ -248,14 +410,16 @@ def main(argv: list[str] | None = None) -> int:
         help="the long chain lengths, longer than the source's training (default 7-12)",
     )
     ns = p.parse_args(argv)
-    if not ns.report.is_file():
-        p.error(f"{ns.report}: no such file")
+    for path in (ns.report, ns.task):
+        if not path.is_file():
+            p.error(f"{path}: no such file")
     try:
-        summary = summarize(json.loads(ns.report.read_text()), ns.long)
+        summary = summarize(json.loads(ns.report.read_text()), ns.long, json.loads(ns.task.read_text()))
     except ValueError as err:
         p.error(str(err))
     ns.out.mkdir(parents=True, exist_ok=True)
     (ns.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (ns.out / "summary.csv").write_text(csv_rows(summary))
     text = markdown(summary)
     (ns.out / "summary.md").write_text(text)
     plot_vs_r(summary, ns.out / "long_vs_r.png")

@@ -35,7 +35,7 @@ mkdir -p "$OUT"
 factors=1
 for core in 1-2 2-3 3-4; do
   rm -rf "$OUT/core$core"
-  bash tools/reproduce_mini.sh --source "$OUT/source/hf" --surgery "--prelude 0 --core $core --coda 5" --seeds 1 \
+  bash tools/reproduce_mini.sh --source "$OUT/source/hf" --surgery "--prelude 0 --core $core --coda 5" --seeds 0 \
     --static-factors "$factors" --out "$OUT/core$core"
   factors=""
 done
