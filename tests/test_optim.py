@@ -13,12 +13,15 @@ from tests.tiny_models import tiny_model as shared_tiny_model
 from titan_recur.config import LRScheduler, Optimizer
 from titan_recur.models import RecurrentLM, cross_entropy_loss
 from titan_recur.training.optim import (
+    NS_COEFFICIENTS,
+    NS_DTYPES,
     Muon,
     assign_owners,
     build_optimizers,
     clip_coefficient,
     fused_matrix_groups,
     grad_square_sum,
+    newton_schulz_dtype,
     scale_grads_,
     shard_rows,
     split_params_for_muon,
@@ -69,12 +72,13 @@ def train_step(model: RecurrentLM, container, seed: int) -> None:
 
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_muon_bit_exact_with_torch_muon(nesterov: bool) -> None:
-    """Same ops in the same order, so equality is exact (tolerance 0), not merely close."""
+    """Same ops in the same order, so equality is exact (tolerance 0), not merely close (Newton-Schulz in
+    bf16 as torch's; on CPU ours defaults to float32, below)."""
     torch.manual_seed(0)
     ours = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     kwargs = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov)
-    opt_ours = Muon(ours, **kwargs)
+    opt_ours = Muon(ours, ns_dtype=torch.bfloat16, **kwargs)
     opt_theirs = torch.optim.Muon(theirs, adjust_lr_fn="original", **kwargs)
     for _ in range(5):
         for a, b in zip(ours, theirs, strict=True):
@@ -94,6 +98,29 @@ def test_muon_defaults_follow_spec() -> None:
     assert defaults["ns_coefficients"] == (3.4445, -4.7750, 2.0315)
 
 
+def test_newton_schulz_in_float32_on_cpu_unless_configured() -> None:
+    """bf16 matmuls are ~50x slower than float32 on CPUs without AVX512-BF16/AMX: CPU parameters get
+    float32 (closer to the float64 iteration than bf16), accelerators bf16; the config can force either."""
+    cpu = torch.nn.Parameter(torch.zeros(2, 2))
+    assert Muon([cpu]).ns_dtype == torch.float32
+    assert Muon([cpu], ns_dtype=torch.bfloat16).ns_dtype == torch.bfloat16
+    assert newton_schulz_dtype(torch.device("cuda")) == torch.bfloat16
+    torch.manual_seed(0)
+    update = torch.randn(24, 40)
+    exact = zeropower_via_newtonschulz(update, NS_COEFFICIENTS, 5, 1e-7, torch.float64)
+    errors = {
+        dtype: (zeropower_via_newtonschulz(update, NS_COEFFICIENTS, 5, 1e-7, dtype).double() - exact).abs().max()
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+    assert errors[torch.float32] < 1e-5 < errors[torch.bfloat16]
+    model = tiny_model()
+    for name, dtype in NS_DTYPES.items():
+        container = build_optimizers(model, optimizer_cfg(ns_dtype=name), scheduler_cfg(), 10)
+        assert container.optimizers[container.names.index("muon")].ns_dtype == dtype
+    auto = build_optimizers(model, optimizer_cfg(), scheduler_cfg(), 10)
+    assert auto.optimizers[auto.names.index("muon")].ns_dtype == torch.float32
+
+
 def test_muon_rejects_non_matrix_with_name_and_shape() -> None:
     with pytest.raises(ValueError, match=r"'norm.weight' has shape \(32,\)"):
         Muon([("a.weight", torch.nn.Parameter(torch.zeros(3, 3))), ("norm.weight", torch.nn.Parameter(torch.ones(32)))])
@@ -108,7 +135,7 @@ def test_fused_group_equals_concatenated_matrix() -> None:
     other = torch.nn.Parameter(torch.randn(3, 6))
     fused = torch.nn.Parameter(torch.cat([q, k, v]).detach())
     other_ref = torch.nn.Parameter(other.detach().clone())
-    opt = Muon([q, k, v, other], lr=0.05, fuse_groups=[[q, k, v]])
+    opt = Muon([q, k, v, other], lr=0.05, fuse_groups=[[q, k, v]], ns_dtype=torch.bfloat16)
     ref = torch.optim.Muon([fused, other_ref], lr=0.05, weight_decay=1e-4, adjust_lr_fn="original")
     for _ in range(4):
         grads = [torch.randn(p.shape) for p in (q, k, v, other)]

@@ -37,6 +37,7 @@ AllowedChange = Literal["steps", "seq_len", "global_batch_size", "recurrence", "
 ALLOWED_CHANGES: tuple[str, ...] = get_args(AllowedChange)
 # How a data source's records become tokens and labels (titan_recur.data.loader; docs/data.md).
 DataFormat = Literal["text", "prompt_completion"]
+NSDtype = Literal["auto", "bfloat16", "float32"]
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 
 _CLI = "command line"
@@ -194,6 +195,11 @@ class Optimizer:
     momentum: float = opt(0.95, "Muon momentum.")
     nesterov: bool = opt(True, "Use Nesterov momentum in Muon.")
     ns_steps: int = opt(5, "Newton-Schulz iterations of Muon's orthogonalisation.")
+    ns_dtype: NSDtype = opt(
+        "auto",
+        "Dtype of Newton-Schulz: 'auto' = bfloat16 on GPUs (torch.optim.Muon's and the reference's), float32 on "
+        "CPU (a bf16 matmul without AVX512-BF16/AMX runs ~50x slower there).",
+    )
     weight_decay: float = opt(1e-4, "Muon decoupled weight decay.")
     fuse_qkv: bool = opt(
         False,

@@ -20,11 +20,14 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from titan_recur.config import ACMode, NSDtype
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--preset", help="source-model preset, random init (e.g. llama3.2-1b)")
@@ -33,9 +36,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-steps", default="24,8", help="n,k: no-grad then grad core iterations")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--local-batch", type=int, default=8, help="sequences per GPU per step")
-    parser.add_argument("--ac-mode", default="per_iteration", choices=["none", "full", "per_iteration"])
+    parser.add_argument("--ac-mode", default="per_iteration", choices=get_args(ACMode))
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--loss-chunk-tokens", type=int, default=1024)
+    parser.add_argument(
+        "--ns-dtype", default="auto", choices=get_args(NSDtype), help="Muon's Newton-Schulz dtype (optimizer.ns_dtype)"
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 1: the first compiles)")
     parser.add_argument("--peak-flops", type=float, help="per-device peak FLOP/s (default: the device table)")
@@ -79,6 +85,8 @@ def trainer_overrides(args: argparse.Namespace, dump: str) -> list[str]:
         str(args.compile).lower(),
         "--training.loss_chunk_tokens",
         str(args.loss_chunk_tokens),
+        "--optimizer.ns_dtype",
+        args.ns_dtype,
         "--checkpoint.enable",
         "false",
         "--checkpoint.export_final",

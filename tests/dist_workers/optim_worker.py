@@ -184,14 +184,15 @@ def state_round_trip(model: RecurrentLM, muon: Muon, cfg: Optimizer) -> float:
     return max((full(s["momentum_buffer"]) - full(old[id(p)])).abs().max().item() for p, s in fresh.state.items())
 
 
-def edge_shapes_scenario(mesh: DeviceMesh, placements: list) -> dict:
-    """Hand-sharded DTensors with empty and uneven shards (and a fused pair) vs plain Muon, 4 steps."""
+def edge_shapes_scenario(mesh: DeviceMesh, placements: list, ns_dtype: torch.dtype | None = None) -> dict:
+    """Hand-sharded DTensors with empty and uneven shards (and a fused pair) vs plain Muon, 4 steps;
+    Newton-Schulz in `ns_dtype` (None: the automatic float32 of CPU)."""
     shapes = [(1, 6), (5, 3), (3, 7), (1, 7), (2, 2)]
     torch.manual_seed(1)
     plain = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     sharded = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, placements)) for p in plain]
-    opt_plain = Muon(plain, lr=0.05, fuse_groups=[plain[2:4]])
-    opt_sharded = Muon(sharded, lr=0.05, fuse_groups=[sharded[2:4]])
+    opt_plain = Muon(plain, lr=0.05, fuse_groups=[plain[2:4]], ns_dtype=ns_dtype)
+    opt_sharded = Muon(sharded, lr=0.05, fuse_groups=[sharded[2:4]], ns_dtype=ns_dtype)
     comms = Counter()
     for _ in range(4):
         for p, s in zip(plain, sharded, strict=True):
@@ -218,6 +219,7 @@ def main() -> None:
         fsdp=fsdp_scenario(mesh, tie=False, fuse=False),
         hsdp_tied_fused=fsdp_scenario(hsdp_mesh, tie=True, fuse=True),
         edge_1d=edge_shapes_scenario(mesh, [Shard(0)]),
+        edge_1d_bf16=edge_shapes_scenario(mesh, [Shard(0)], torch.bfloat16),
         edge_replicas=edge_shapes_scenario(replicas_mesh, [Replicate(), Shard(0)]),
     )
     reports = [None] * world

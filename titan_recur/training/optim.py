@@ -4,10 +4,15 @@ Muon orthogonalises whole matrices, but FSDP2 shards every parameter on dim 0. `
 momentum buffer sharded (its update is elementwise) and hands each matrix's Nesterov update to one
 owner rank, which orthogonalises it whole and sends every rank back its rows. All matrices of a
 step travel in one all-to-all there and one back, so a step costs 2 collectives per shard group
-(2 / n_matrices per matrix), each rank sends and receives ~1/W of the Muon parameters (bf16), and
-each rank runs Newton-Schulz on ~1/W of the matrices. Owners hold exactly the bf16 input a single
-process would orthogonalise, so the update is bit-identical to single-process Muon. (torch.optim.Muon
-on the same DTensors is also correct but issued ~15 hidden collectives per matrix per step here.)
+(2 / n_matrices per matrix), each rank sends and receives ~1/W of the Muon parameters (in
+Newton-Schulz's dtype), and each rank runs Newton-Schulz on ~1/W of the matrices. Owners hold exactly
+the input a single process would orthogonalise, so the update is bit-identical to single-process Muon.
+(torch.optim.Muon on the same DTensors is also correct but issued ~15 hidden collectives per matrix
+per step here.)
+
+Newton-Schulz runs in bf16 on accelerators, as torch.optim.Muon and the reference do, and in float32
+on CPU, where a bf16 matmul without AVX512-BF16 or AMX is ~50x slower than a float32 one
+(docs/benchmarks.md); `optimizer.ns_dtype` chooses either explicitly.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from titan_recur.models.blocks import TransformerBlock
 from titan_recur.models.model import RecurrentLM
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 NamedParams = list[tuple[str, nn.Parameter]]
 
@@ -36,12 +42,21 @@ NamedParams = list[tuple[str, nn.Parameter]]
 # ---------------------------------------------------------------- Muon
 
 
+def newton_schulz_dtype(device: torch.device) -> torch.dtype:
+    """The automatic choice: bf16 on accelerators (torch.optim.Muon's), float32 on CPU (bf16 is slow there)."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
 def zeropower_via_newtonschulz(
-    update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+    update: torch.Tensor,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Approximately orthogonalise a 2-D update in bf16, operation for operation as torch.optim.Muon."""
+    """Approximately orthogonalise a 2-D update in `dtype`; in bf16 operation for operation as torch.optim.Muon."""
     a, b, c = coefficients
-    x = update.bfloat16()
+    x = update.to(dtype)
     transposed = update.size(0) > update.size(1)
     if transposed:
         x = x.T
@@ -89,7 +104,8 @@ class Muon(torch.optim.Optimizer):
     tensors the parameters match it bit for bit. `fuse_groups` lists parameters (e.g. q, k, v) that
     are orthogonalised as one matrix concatenated on dim 0, as the reference does with its fused
     projections; their members must share a param group and a column count. Params may be given
-    named (``model.named_parameters()``-style pairs) so errors name them.
+    named (``model.named_parameters()``-style pairs) so errors name them. `ns_dtype` None picks
+    `newton_schulz_dtype` of the parameters' device (bf16 gives torch.optim.Muon's bits on any device).
     """
 
     def __init__(
@@ -103,6 +119,7 @@ class Muon(torch.optim.Optimizer):
         eps: float = 1e-7,
         ns_steps: int = 5,
         fuse_groups: Sequence[Sequence[torch.Tensor]] = (),
+        ns_dtype: torch.dtype | None = None,
     ) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"Muon needs lr, momentum, weight_decay >= 0, got {lr}, {momentum}, {weight_decay}")
@@ -118,6 +135,8 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.fuse_groups = [list(members) for members in fuse_groups]
         self._check_fuse_groups()
+        device = self.param_groups[0]["params"][0].device if self.param_groups else torch.device("cpu")
+        self.ns_dtype = ns_dtype or newton_schulz_dtype(device)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -200,11 +219,11 @@ class Muon(torch.optim.Optimizer):
         for unit in local_units:
             group = unit.group
             ortho = zeropower_via_newtonschulz(
-                torch.cat(unit.updates), group["ns_coefficients"], group["ns_steps"], group["eps"]
+                torch.cat(unit.updates), group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype
             )
             unit.apply(ortho.split([p.shape[0] for p in unit.params]))
         for (mesh, mesh_dim), units in sharded_units.items():
-            _orthogonalise_on_owners(units, mesh, mesh_dim)
+            _orthogonalise_on_owners(units, mesh, mesh_dim, self.ns_dtype)
         return loss
 
 
@@ -246,11 +265,11 @@ def assign_owners(costs: Sequence[float], world: int) -> list[int]:
     return owners
 
 
-def _orthogonalise_on_owners(units: list[_Unit], mesh: DeviceMesh, mesh_dim: int) -> None:
+def _orthogonalise_on_owners(units: list[_Unit], mesh: DeviceMesh, mesh_dim: int, ns_dtype: torch.dtype) -> None:
     """Gather each unit's update on its owner, orthogonalise it there, send each rank back its rows.
 
     Two all_to_all_single calls over the shard group carry every unit of the step. Pieces travel
-    in bf16: Newton-Schulz casts its input to bf16 first and returns bf16, so nothing is lost.
+    in `ns_dtype`: Newton-Schulz casts its input to it first and returns it, so nothing is lost.
     """
     group, world, rank = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
     owners = assign_owners([u.shape[0] * u.shape[1] * min(u.shape) for u in units], world)
@@ -265,11 +284,11 @@ def _orthogonalise_on_owners(units: list[_Unit], mesh: DeviceMesh, mesh_dim: int
 
     # Forward: every rank's rows of each unit go to the unit's owner.
     to_owners = [
-        [upd.bfloat16().flatten() for i, u in enumerate(units) if owners[i] == peer for upd in u.updates]
+        [upd.to(ns_dtype).flatten() for i, u in enumerate(units) if owners[i] == peer for upd in u.updates]
         for peer in range(world)
     ]
     from_ranks = _exchange(
-        to_owners, [[r[peer] * cols[i] for i in mine for r in rows[i]] for peer in range(world)], group, like
+        to_owners, [[r[peer] * cols[i] for i in mine for r in rows[i]] for peer in range(world)], group, like, ns_dtype
     )
     incoming = [iter(pieces) for pieces in from_ranks]
     replies: list[list[torch.Tensor]] = [[] for _ in range(world)]
@@ -278,7 +297,7 @@ def _orthogonalise_on_owners(units: list[_Unit], mesh: DeviceMesh, mesh_dim: int
         full = torch.cat(
             [torch.cat([next(incoming[peer]).view(-1, cols[i]) for peer in range(world)]) for _ in unit.params]
         )
-        ortho = zeropower_via_newtonschulz(full, cfg["ns_coefficients"], cfg["ns_steps"], cfg["eps"])
+        ortho = zeropower_via_newtonschulz(full, cfg["ns_coefficients"], cfg["ns_steps"], cfg["eps"], ns_dtype)
         for member, member_rows in zip(ortho.split([p.shape[0] for p in unit.params]), rows[i], strict=True):
             for peer, shard in enumerate(member.split(member_rows)):
                 replies[peer].append(shard.flatten())
@@ -289,6 +308,7 @@ def _orthogonalise_on_owners(units: list[_Unit], mesh: DeviceMesh, mesh_dim: int
         [[r[rank] * cols[i] for i in range(len(units)) if owners[i] == peer for r in rows[i]] for peer in range(world)],
         group,
         like,
+        ns_dtype,
     )
     returned = [iter(pieces) for pieces in from_owners]
     for i, unit in enumerate(units):
@@ -296,11 +316,15 @@ def _orthogonalise_on_owners(units: list[_Unit], mesh: DeviceMesh, mesh_dim: int
 
 
 def _exchange(
-    send: list[list[torch.Tensor]], recv_numels: list[list[int]], group: dist.ProcessGroup, like: torch.Tensor
+    send: list[list[torch.Tensor]],
+    recv_numels: list[list[int]],
+    group: dist.ProcessGroup,
+    like: torch.Tensor,
+    dtype: torch.dtype,
 ) -> list[list[torch.Tensor]]:
     """One all_to_all_single: send[peer]'s pieces to each peer; return each peer's pieces split by recv_numels."""
     flat = [piece for pieces in send for piece in pieces]
-    send_buf = torch.cat(flat) if flat else like.new_empty(0, dtype=torch.bfloat16)
+    send_buf = torch.cat(flat) if flat else like.new_empty(0, dtype=dtype)
     recv_sizes = [sum(numels) for numels in recv_numels]
     recv_buf = send_buf.new_empty(sum(recv_sizes))
     dist.all_to_all_single(
@@ -448,6 +472,7 @@ def build_optimizers(
             nesterov=cfg_optimizer.nesterov,
             ns_steps=cfg_optimizer.ns_steps,
             fuse_groups=fused_matrix_groups(model) if cfg_optimizer.fuse_qkv else (),
+            ns_dtype=NS_DTYPES.get(cfg_optimizer.ns_dtype),
         )
         optimizers = {"muon": muon, "adamw": torch.optim.AdamW(adamw_params, **adamw_kwargs)}
     else:
