@@ -188,3 +188,27 @@ def test_task_yamls_score_exact_match(depth_task, tmp_path: Path) -> None:
             result = simple_evaluate(model=Oracle(shift), tasks=tasks, task_manager=manager)
             for name in names:
                 assert result["results"][name]["exact_match,flexible-extract"] == expected
+
+
+def test_flops_to_reach_names_the_smallest_r() -> None:
+    """At the fewest FLOPs the recurrent arm is credited with the first r that reaches a target, not the
+    largest (r=16 sorted before r=2 as text)."""
+    summarize = load_tool("summarize_mini")
+
+    def point(flops: float, step: int, by_r: dict[int, float]) -> dict:
+        return {
+            "flops": {"paper": flops},
+            "step": step,
+            "results": {str(r): {"long": {"mean": m}} for r, m in by_r.items()},
+        }
+
+    summary = {
+        "arms": {
+            "recurrent": {"recurrent": True, "points": [point(1e12, 200, {1: 0.4, 2: 0.78, 4: 0.9, 16: 0.9})]},
+            "static_x1": {"recurrent": False, "points": [point(2e12, 680, {1: 0.7})]},
+        }
+    }
+    reach = summarize.flops_to_reach(summary)
+    assert reach["0.5"]["recurrent"] == {"flops": 1e12, "arm": "recurrent", "step": 200, "r": 2}
+    assert reach["0.9"]["recurrent"]["r"] == 4
+    assert reach["0.5"]["static"]["step"] == 680 and reach["0.8"]["static"] is None

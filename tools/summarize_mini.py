@@ -157,13 +157,14 @@ TARGETS = (0.5, 0.7, 0.8, 0.9, 0.95)
 
 def flops_to_reach(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per target long-chain accuracy: the fewest training FLOPs (paper convention) at which any evaluated point
-    of the recurrent arms (at its best r) and of the static arms (halfway checkpoints included) reaches it."""
+    of the recurrent arms (at the smallest r that reaches it) and of the static arms (halfway checkpoints
+    included) reaches it."""
     best: dict[str, dict[str, Any]] = {}
     for target in TARGETS:
         row: dict[str, Any] = {}
         for family in ("recurrent", "static"):
             reached = [
-                (point["flops"]["paper"], kind, point["step"], r)
+                (point["flops"]["paper"], kind, point["step"], int(r))
                 for kind, arm in summary["arms"].items()
                 if arm["recurrent"] == (family == "recurrent")
                 for point in arm["points"]
