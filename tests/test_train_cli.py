@@ -86,6 +86,8 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
         (["--training.steps", "abc"], "--training.steps expects int, got 'abc'"),
         (["--model.path", "no/such/folder"], "model.path no/such/folder: no such folder"),
         (["--optimizer.name", "sgd"], "optimizer.name"),
+        # Ran until the step watchdog ended it as a stall (900 s) before the memory estimate was checked.
+        (["--training.local_batch_size", "100000000"], "lower training.local_batch_size"),
     ],
 )
 def test_bad_input_is_one_clear_line_before_training(tmp_path, capsys, override, expected):

@@ -17,6 +17,8 @@ import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from titan_recur.config import ConfigError, JobConfig, grad_accum_steps
 from titan_recur.data.loader import all_sources, check_phase_weights, check_source
 from titan_recur.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
@@ -24,6 +26,7 @@ from titan_recur.models.args import ModelArgs
 from titan_recur.storage.model_io import resolve_model_args
 from titan_recur.training import cost_model
 from titan_recur.training.metrics import format_duration
+from titan_recur.utils.limits import check_allocation
 
 # Exit status of a failed check (the trainer's EXIT_BAD_INPUT).
 EXIT_PROBLEMS = 2
@@ -251,6 +254,24 @@ def plan_lines(
         else "validation: off (validation.enable = false)"
     )
     return lines
+
+
+# The estimate is within 10% of the live tensors measured (docs/benchmarks.md); refuse only well above it.
+STEP_MEMORY_TOLERANCE = 1.5
+
+
+def check_step_memory(cfg: JobConfig, args: ModelArgs, world_size: int, device: torch.device) -> None:
+    """Refuse a step whose estimated peak is far above the device's free memory: a batch-size typo (1e8)
+    would otherwise fill the batch until the step watchdog ends the run as a stall."""
+    t = cfg.training
+    memory = cost_model.memory_estimate(cfg, args, world_size, device.type)
+    check_allocation(
+        int(memory.total),
+        device,
+        f"a training step of {t.local_batch_size} x {t.seq_len} tokens per rank (estimated: {memory.describe()})",
+        hint="lower training.local_batch_size (gradient accumulation keeps training.global_batch_size)",
+        tolerance=STEP_MEMORY_TOLERANCE,
+    )
 
 
 def run_check(cfg: JobConfig, options: CheckOptions) -> tuple[list[str], list[str]]:

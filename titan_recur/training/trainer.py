@@ -134,6 +134,7 @@ class Trainer:
         self.dp_world = self.dist.world_size
         dp_mesh_shape(self.dp_world, cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
         self.grad_accum = grad_accum_steps(cfg.training, self.dp_world)
+        preflight.check_step_memory(cfg, self.model_args, self.dp_world, self.dist.device)
         check_data_config(cfg.data, self.tokenizer, cfg.training.seq_len, validation=cfg.validation.enable)
         if cfg.metrics.enable_wandb:
             import_wandb()  # a missing wandb is one line before any work

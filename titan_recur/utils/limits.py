@@ -54,10 +54,11 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_allocation(nbytes: int, device: torch.device, what: str, hint: str = "") -> None:
-    """Refuse to start when ``what`` needs more memory than ``device`` has free."""
+def check_allocation(nbytes: int, device: torch.device, what: str, hint: str = "", tolerance: float = 1.0) -> None:
+    """Refuse to start when ``what`` needs more than ``tolerance`` x the memory ``device`` has free (a
+    tolerance above 1 for estimates, so that a run near the limit is never refused by the estimate's error)."""
     free = available_memory(device)
-    if nbytes > free:
+    if nbytes > tolerance * free:
         advice = f"; {hint}" if hint else ""
         raise ValueError(f"{what} needs {nbytes / _GIB:,.1f} GiB but {device} has {free / _GIB:,.1f} GiB free{advice}")
 
