@@ -778,10 +778,12 @@ def broken_tokenizer(folder: Path, kind: str) -> Path:
 
 
 @pytest.mark.parametrize("kind", ["missing", "empty", "tokenizer.json", "tokenizer_config.json", "tokenizer.model"])
-@pytest.mark.parametrize("command", ["export", "eval loss", "eval harness"])
+@pytest.mark.parametrize("command", ["export", "eval loss", "eval harness", "generate", "prepare_data", "train"])
 def test_a_bad_tokenizer_folder_is_one_line_before_any_work(tmp_path, capsys, monkeypatch, command, kind):
+    """generate, prepare_data and train printed the tokenizers or sentencepiece library's traceback."""
     import titan_recur.eval.loading as loading
     from titan_recur.cli.export import main as export_main
+    from titan_recur.training.trainer import main as train_main
 
     tokenizer = broken_tokenizer(tmp_path / "tok", kind)
     out = tmp_path / "out"
@@ -794,10 +796,19 @@ def test_a_bad_tokenizer_folder_is_one_line_before_any_work(tmp_path, capsys, mo
         code = export_main([str(MODEL), str(out), "--tokenizer", str(tokenizer)])
     elif command == "eval loss":
         code = eval_main(loss_args(tmp_path, "--tokenizer", str(tokenizer), "--out", str(out)))
-    else:
+    elif command == "eval harness":
         pytest.importorskip("lm_eval")
         argv = ["harness", "--model-args", f"pretrained={MODEL},tokenizer={tokenizer}", "--tasks", "gsm8k_cot_recur"]
         code = eval_main([*argv, "--out", str(out)])
+    elif command == "generate":
+        code = generate_main(["--checkpoint", str(MODEL), "--prompt", "1 2", "--tokenizer", str(tokenizer)])
+    elif command == "prepare_data":
+        code = prepare_main(
+            ["--tokenizer", str(tokenizer), "--path", str(CORPUS), "--kind", "jsonl", "--out", str(out)]
+        )
+    else:
+        config = REPO / "train_configs" / "debug_model.toml"
+        code = train_main(["--config", str(config), "--job.dump_folder", str(out), "--data.tokenizer", str(tokenizer)])
     one_error_line(capsys, code, str(tokenizer))
     assert not out.exists()
 

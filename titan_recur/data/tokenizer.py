@@ -201,8 +201,21 @@ def _is_tiktoken_file(path: Path) -> bool:
 
 
 def load_tokenizer(folder: str | Path) -> Tokenizer:
-    """The tokenizer of a model folder: tokenizer.json first, else tokenizer.model (tiktoken or sentencepiece)."""
+    """The tokenizer of a model folder: tokenizer.json first, else tokenizer.model (tiktoken or sentencepiece).
+
+    Files that do not parse are one ValueError naming the folder: the tokenizers and sentencepiece libraries
+    raise bare Exception and RuntimeError in their own words."""
     folder = Path(folder)
+    try:
+        return _open_tokenizer(folder)
+    except FileNotFoundError:
+        raise
+    except Exception as err:
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ValueError(f"{folder}: its tokenizer files do not load ({type(err).__name__}: {cause})") from None
+
+
+def _open_tokenizer(folder: Path) -> Tokenizer:
     if (folder / HF_FILE).is_file():
         return HFTokenizer(folder)
     model = folder / MODEL_FILE

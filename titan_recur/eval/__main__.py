@@ -67,20 +67,6 @@ def check_out(out: Path, files: list[str], force: bool, is_own, kind: str) -> No
     check_output_files([out / name for name in files], force, is_own, kind)
 
 
-def open_tokenizer(folder: str | Path):
-    """``load_tokenizer``, a folder whose files do not parse being one ValueError naming it (the tokenizers and
-    sentencepiece libraries raise bare Exception and RuntimeError in their own words)."""
-    from titan_recur.data.tokenizer import load_tokenizer
-
-    try:
-        return load_tokenizer(folder)
-    except FileNotFoundError:
-        raise
-    except Exception as err:
-        cause = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise ValueError(f"{folder}: its tokenizer files do not load ({type(err).__name__}: {cause})") from None
-
-
 def add_force(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
         "--force",
@@ -229,7 +215,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def run_loss(args: argparse.Namespace) -> None:
-    from titan_recur.data.tokenizer import check_vocab
+    from titan_recur.data.tokenizer import check_vocab, load_tokenizer
     from titan_recur.eval.loading import (
         checkpoint_model_args,
         default_tokenizer_folder,
@@ -262,7 +248,7 @@ def run_loss(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     model_args = checkpoint_model_args(args.checkpoint, args.model_config)
     check_rows(settings, model_args, args.dtype, device)
-    tokenizer = open_tokenizer(args.tokenizer or default_tokenizer_folder(args.checkpoint, args.model_config))
+    tokenizer = load_tokenizer(args.tokenizer or default_tokenizer_folder(args.checkpoint, args.model_config))
     check_vocab(tokenizer, model_args.vocab_size)
     model = load_checkpoint(
         args.checkpoint, args.model_config, device=device, dtype=args.dtype, unverified=args.unverified
@@ -421,14 +407,14 @@ def run_harness(args: argparse.Namespace) -> None:
 def check_harness_model(model_args: dict) -> None:
     """pretrained= names a loadable checkpoint (and num_steps= a bounded depth, tokenizer= a tokenizer of its
     vocabulary), read without the weights."""
-    from titan_recur.data.tokenizer import check_vocab
+    from titan_recur.data.tokenizer import check_vocab, load_tokenizer
     from titan_recur.eval.loading import checkpoint_model_args
 
     if "pretrained" not in model_args:
         raise ValueError("--model-args needs pretrained=PATH (a model folder or a DCP step folder)")
     architecture = checkpoint_model_args(model_args["pretrained"], model_args.get("model_config"))
     if "tokenizer" in model_args:
-        check_vocab(open_tokenizer(model_args["tokenizer"]), architecture.vocab_size)
+        check_vocab(load_tokenizer(model_args["tokenizer"]), architecture.vocab_size)
     if "num_steps" in model_args:
         check_recurrence_bound([int(model_args["num_steps"])], "num_steps")
 
