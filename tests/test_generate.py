@@ -552,6 +552,20 @@ def test_cli_json_fields_and_batched_equals_single(model_dir: Path, tmp_path: Pa
     assert code == 0 and out.startswith("### prompt 0: ") and "The sum" in out and "tokens/s" in out
 
 
+def test_cli_top_k_one_samples_the_greedy_tokens(model_dir: Path, capsys) -> None:
+    """--top-k reaches the engine: at k = 1 only the most likely token is left, so sampling is greedy."""
+    base = ["--checkpoint", str(model_dir), "--prompt", "The sum", "--max-new-tokens", "6", "--json"]
+    code, out, err = run_cli(capsys, *base)
+    assert code == 0, err
+    greedy = json.loads(out)["prompts"][0]["tokens"]
+    code, out, err = run_cli(capsys, *base, "--temperature", "5", "--top-k", "1", "--seed", "3")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["settings"]["top_k"] == 1 and report["prompts"][0]["tokens"] == greedy
+    code, out, err = run_cli(capsys, *base, "--temperature", "5", "--seed", "3")
+    assert json.loads(out)["prompts"][0]["tokens"] != greedy  # without top-k, temperature 5 strays
+
+
 def test_cli_bad_input_is_one_line_before_decoding(model_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     import titan_recur.cli.generate as cli
 
@@ -591,6 +605,7 @@ def test_cli_bad_input_is_one_line_before_decoding(model_dir: Path, tmp_path: Pa
             "--max-new-tokens",
             "200",
         ],
+        "top_k must be an integer >= 0 (0: off), got -1": [*base, "--prompt", "a", "--top-k", "-1"],
         "--prompt is empty": [*base, "--prompt", ""],
         f"{empty_line}:2: empty prompt": [*base, "--prompts", str(empty_line)],
         "argument --min-steps: invalid int value: 'x'": [*base, "--prompt", "a", "--min-steps", "x"],

@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "token's final state); default: the deterministic eval init",
     )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
@@ -218,6 +219,7 @@ def options_from_args(args: argparse.Namespace, eos_id: int) -> GenerationOption
         check_every=args.check_every,
         state_init=args.state_init,
         temperature=args.temperature,
+        top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
         eos_id=eos_id,
