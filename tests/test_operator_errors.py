@@ -317,34 +317,45 @@ def test_generate_says_an_hf_export_is_one_and_how_to_load_it(tmp_path, capsys):
     assert "missing tensors" not in line
 
 
-def test_generate_refuses_a_tokenizer_of_another_vocabulary(tmp_path, capsys):
-    """Same size, ids that fit the model, but two tokens swapped: the ids mean other text."""
+@pytest.mark.parametrize("command", ["generate", "eval loss", "eval harness", "export", "train"])
+def test_a_tokenizer_of_another_vocabulary_is_refused(tmp_path, capsys, monkeypatch, command):
+    """Same size, ids that fit the model, but two tokens swapped: the ids mean other text. generate refused it;
+    eval, export and train ran with it."""
+    import titan_recur.eval.loading as loading
+    from titan_recur.cli.export import main as export_main
+    from titan_recur.training.trainer import main as train_main
+
     other = tmp_path / "tok"
     shutil.copytree(ASSETS / "tokenizer", other)
     spec = json.loads((other / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     vocab["e"], vocab["t"] = vocab["t"], vocab["e"]
     (other / "tokenizer.json").write_text(json.dumps(spec))
-    code = generate_main(
-        ["--checkpoint", str(MODEL), "--prompt", "the test", "--tokenizer", str(other), "--max-new-tokens", "2"]
-    )
-    one_error_line(capsys, code, f"--tokenizer {other}", "not the tokenizer of")
-    # The model's own tokenizer, named explicitly, is fine.
-    assert (
-        generate_main(
-            [
-                "--checkpoint",
-                str(MODEL),
-                "--prompt",
-                "the test",
-                "--tokenizer",
-                str(ASSETS / "tokenizer"),
-                "--max-new-tokens",
-                "2",
-            ]
-        )
-        == 0
-    )
+    out = tmp_path / "out"
+
+    def run(tokenizer: Path) -> int:
+        if command == "generate":
+            argv = ["--checkpoint", str(MODEL), "--prompt", "the test", "--max-new-tokens", "2"]
+            return generate_main([*argv, "--tokenizer", str(tokenizer)])
+        if command == "eval loss":
+            return eval_main(loss_args(tmp_path, "--tokenizer", str(tokenizer), "--out", str(out)))
+        if command == "eval harness":
+            pytest.importorskip("lm_eval")
+            model_args = f"pretrained={MODEL},tokenizer={tokenizer}"
+            return eval_main(["harness", "--model-args", model_args, "--tasks", "gsm8k_cot_recur", "--out", str(out)])
+        if command == "export":
+            return export_main([str(MODEL), str(out), "--tokenizer", str(tokenizer)])
+        config = REPO / "train_configs" / "debug_model.toml"
+        argv = ["--config", str(config), "--job.dump_folder", str(out), "--model.path", str(MODEL)]
+        return train_main([*argv, "--data.tokenizer", str(tokenizer), "--training.steps", "1"])
+
+    flag = {"eval harness": "tokenizer=", "train": "data.tokenizer"}.get(command, "--tokenizer")
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
+    one_error_line(capsys, run(other), f"{flag} {other}", "not the tokenizer of")
+    assert not out.exists()
+    if command in ("generate", "train"):  # the model's own tokenizer, named explicitly, is fine
+        monkeypatch.undo()
+        assert run(ASSETS / "tokenizer") == 0, capsys.readouterr().err
 
 
 def test_compare_says_it_wants_run_folders(capsys):

@@ -24,8 +24,13 @@ import json
 import sys
 from pathlib import Path
 
-from titan_recur.data.tokenizer import check_vocab, load_tokenizer
-from titan_recur.eval.loading import DTYPES, checkpoint_model_args, default_tokenizer_folder, load_checkpoint
+from titan_recur.eval.loading import (
+    DTYPES,
+    checkpoint_model_args,
+    checkpoint_tokenizer,
+    default_tokenizer_folder,
+    load_checkpoint,
+)
 from titan_recur.hf.export import (
     GENERATION_CONFIG_FILE,
     HubUploadError,
@@ -87,7 +92,7 @@ def run(argv: list[str] | None = None) -> None:
     eval_table = read_eval_table(args.eval_table) if args.eval_table is not None else None
     tokenizer_folder = args.tokenizer or default_tokenizer_folder(args.checkpoint, args.model_config)
     model_args = checkpoint_model_args(args.checkpoint, args.model_config)
-    check_vocab(load_tokenizer(tokenizer_folder), model_args.vocab_size)  # before the weights load
+    checkpoint_tokenizer(args.checkpoint, args.model_config, args.tokenizer, model_args.vocab_size)  # before weights
     model = load_checkpoint(args.checkpoint, args.model_config, unverified=args.unverified)
     export_hf(
         model,

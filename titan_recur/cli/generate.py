@@ -26,12 +26,11 @@ from typing import Any, NoReturn
 
 import torch
 
-from titan_recur.data.loader import tokenizer_probe
-from titan_recur.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
+from titan_recur.data.tokenizer import Tokenizer
 from titan_recur.eval.loading import (
     add_checkpoint_arguments,
     checkpoint_model_args,
-    default_tokenizer_folder,
+    checkpoint_tokenizer,
     load_checkpoint,
     resolve_device,
 )
@@ -40,7 +39,7 @@ from titan_recur.inference.engine import GenerationOptions, check_prompts, gener
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.cache import core_slots_per_block
 from titan_recur.storage.checkpoint import CheckpointError
-from titan_recur.storage.model_io import DTYPES, TOKENIZER_FILES
+from titan_recur.storage.model_io import DTYPES
 from titan_recur.training.cost_model import param_counts
 from titan_recur.utils.limits import check_allocation, check_at_least, check_recurrence_bound, kv_cache_bytes
 
@@ -159,18 +158,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return texts
 
 
-def check_tokenizer_matches(tokenizer: Tokenizer, given: str | None, own: Path, model_args: ModelArgs) -> None:
-    """A --tokenizer other than the model's own must mean the same ids (as training checks prepared data): the
-    same probe digest as the model folder's tokenizer, and the model's BOS/EOS ids."""
-    if given is not None and any((own / name).is_file() for name in TOKENIZER_FILES[:3]):
-        if Path(given).resolve() != own.resolve() and tokenizer_probe(tokenizer) != tokenizer_probe(
-            load_tokenizer(own)
-        ):
-            raise ValueError(
-                f"--tokenizer {given} is not the tokenizer of {own} (its ids mean other tokens: "
-                f"vocab {tokenizer.vocab_size} vs {load_tokenizer(own).vocab_size}); drop --tokenizer "
-                "to use the model's own"
-            )
+def check_special_ids(tokenizer: Tokenizer, model_args: ModelArgs) -> None:
+    """The tokenizer's BOS/EOS are the model's (a folder without the model's own tokenizer is not probed)."""
     for name in ("bos_id", "eos_id"):
         if getattr(model_args, name) is not None and getattr(tokenizer, name) not in (None, getattr(model_args, name)):
             raise ValueError(
@@ -242,10 +231,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"unknown --dtype {args.dtype!r}; choose from {', '.join(DTYPES)}")
     texts = read_prompts(args)
     model_args = checkpoint_model_args(args.checkpoint, args.model_config)
-    own_tokenizer = default_tokenizer_folder(args.checkpoint, args.model_config)
-    tokenizer = load_tokenizer(args.tokenizer or own_tokenizer)
-    check_vocab(tokenizer, model_args.vocab_size)
-    check_tokenizer_matches(tokenizer, args.tokenizer, own_tokenizer, model_args)
+    tokenizer = checkpoint_tokenizer(args.checkpoint, args.model_config, args.tokenizer, model_args.vocab_size)
+    check_special_ids(tokenizer, model_args)
     options = options_from_args(args, tokenizer.eos_id).resolve(model_args)
     encoded = [tokenizer.encode(text, bos=tokenizer.add_bos, eos=False) for text in texts]
     for row in encoded:

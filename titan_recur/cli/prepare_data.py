@@ -61,9 +61,8 @@ from titan_recur.data.loader import (
     is_empty,
     open_source,
     read_documents,
-    tokenizer_probe,
 )
-from titan_recur.data.tokenizer import Tokenizer, load_tokenizer
+from titan_recur.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_probe
 from titan_recur.utils.limits import check_allocation, check_at_least
 
 _tokenizer: Tokenizer | None = None

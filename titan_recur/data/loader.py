@@ -47,7 +47,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titan_recur.config import Data, DataSource
-from titan_recur.data.tokenizer import Tokenizer
+from titan_recur.data.tokenizer import Tokenizer, tokenizer_probe
 from titan_recur.models.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -119,16 +119,6 @@ def _source_files(s: DataSource) -> list[str]:
 # rows of exactly seq_len + 1 tokens.
 TOKENS_METADATA = "metadata.json"
 TOKENS_FORMAT_V2 = "titan_recur.tokens/v2"
-_TOKENIZER_PROBE = (
-    "The quick brown fox jumps over the lazy dog.\n3 + 4 = 7; x^2 - 1 = (x - 1)(x + 1).  Gr\u00fc\u00dfe!"
-)
-
-
-def tokenizer_probe(tokenizer: Tokenizer) -> str:
-    """A digest of what ids mean: the ids of a fixed text with BOS/EOS, and the vocabulary size (the same for
-    the same vocabulary in any file format: tokenizer.json or a tiktoken/sentencepiece model)."""
-    ids = tokenizer.encode(_TOKENIZER_PROBE, bos=tokenizer.bos_id is not None, eos=True)
-    return hashlib.sha256(json.dumps([ids, tokenizer.vocab_size]).encode()).hexdigest()[:16]
 
 
 def token_stream_metadata(s: DataSource) -> dict[str, Any] | None:

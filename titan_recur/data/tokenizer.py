@@ -12,6 +12,7 @@ tokenizer adds one (``Tokenizer.add_bos``), so training data looks like the mode
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 from abc import ABC, abstractmethod
@@ -225,6 +226,32 @@ def _open_tokenizer(folder: Path) -> Tokenizer:
         f"{folder}: no tokenizer found (expected {HF_FILE} [+ {HF_CONFIG_FILE}], or {MODEL_FILE} "
         "in Llama-3 tiktoken or sentencepiece format)"
     )
+
+
+_TOKENIZER_PROBE = (
+    "The quick brown fox jumps over the lazy dog.\n3 + 4 = 7; x^2 - 1 = (x - 1)(x + 1).  Gr\u00fc\u00dfe!"
+)
+
+
+def tokenizer_probe(tokenizer: Tokenizer) -> str:
+    """A digest of what ids mean: the ids of a fixed text with BOS/EOS, and the vocabulary size (the same for
+    the same vocabulary in any file format: tokenizer.json or a tiktoken/sentencepiece model)."""
+    ids = tokenizer.encode(_TOKENIZER_PROBE, bos=tokenizer.bos_id is not None, eos=True)
+    return hashlib.sha256(json.dumps([ids, tokenizer.vocab_size]).encode()).hexdigest()[:16]
+
+
+def check_same_tokenizer(tokenizer: Tokenizer, given: str | Path, own: Path, flag: str) -> None:
+    """A tokenizer named beside a model folder that holds its own must mean the same ids (the same probe digest):
+    a tokenizer of another vocabulary whose ids happen to fit the embedding would run and be silently wrong."""
+    has_own = (own / HF_FILE).is_file() or (own / MODEL_FILE).is_file()
+    if not has_own or Path(given).resolve() == own.resolve():
+        return
+    theirs = load_tokenizer(own)
+    if tokenizer_probe(tokenizer) != tokenizer_probe(theirs):
+        raise ValueError(
+            f"{flag} {given} is not the tokenizer of {own} (its ids mean other tokens: vocab {tokenizer.vocab_size} "
+            f"vs {theirs.vocab_size}); drop {flag} to use the model's own"
+        )
 
 
 def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:

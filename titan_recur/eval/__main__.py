@@ -215,10 +215,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def run_loss(args: argparse.Namespace) -> None:
-    from titan_recur.data.tokenizer import check_vocab, load_tokenizer
     from titan_recur.eval.loading import (
         checkpoint_model_args,
-        default_tokenizer_folder,
+        checkpoint_tokenizer,
         load_checkpoint,
         resolve_device,
     )
@@ -248,8 +247,7 @@ def run_loss(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     model_args = checkpoint_model_args(args.checkpoint, args.model_config)
     check_rows(settings, model_args, args.dtype, device)
-    tokenizer = load_tokenizer(args.tokenizer or default_tokenizer_folder(args.checkpoint, args.model_config))
-    check_vocab(tokenizer, model_args.vocab_size)
+    tokenizer = checkpoint_tokenizer(args.checkpoint, args.model_config, args.tokenizer, model_args.vocab_size)
     model = load_checkpoint(
         args.checkpoint, args.model_config, device=device, dtype=args.dtype, unverified=args.unverified
     )
@@ -407,14 +405,19 @@ def run_harness(args: argparse.Namespace) -> None:
 def check_harness_model(model_args: dict) -> None:
     """pretrained= names a loadable checkpoint (and num_steps= a bounded depth, tokenizer= a tokenizer of its
     vocabulary), read without the weights."""
-    from titan_recur.data.tokenizer import check_vocab, load_tokenizer
-    from titan_recur.eval.loading import checkpoint_model_args
+    from titan_recur.eval.loading import checkpoint_model_args, checkpoint_tokenizer
 
     if "pretrained" not in model_args:
         raise ValueError("--model-args needs pretrained=PATH (a model folder or a DCP step folder)")
     architecture = checkpoint_model_args(model_args["pretrained"], model_args.get("model_config"))
     if "tokenizer" in model_args:
-        check_vocab(load_tokenizer(model_args["tokenizer"]), architecture.vocab_size)
+        checkpoint_tokenizer(
+            model_args["pretrained"],
+            model_args.get("model_config"),
+            model_args["tokenizer"],
+            architecture.vocab_size,
+            "tokenizer=",
+        )
     if "num_steps" in model_args:
         check_recurrence_bound([int(model_args["num_steps"])], "num_steps")
 

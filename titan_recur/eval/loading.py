@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from titan_recur.data.tokenizer import Tokenizer, check_same_tokenizer, check_vocab, load_tokenizer
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.model import RecurrentLM
 from titan_recur.storage.checkpoint import ModelState, load_from
@@ -78,6 +79,23 @@ def load_checkpoint(
 def default_tokenizer_folder(path: str | Path, model_config: str | Path | None) -> Path:
     """Where the tokenizer files of a checkpoint are: the model folder (or, for DCP, the --model-config folder)."""
     return Path(model_config if model_config is not None else path)
+
+
+def checkpoint_tokenizer(
+    checkpoint: str | Path,
+    model_config: str | Path | None,
+    given: str | None,
+    vocab_size: int,
+    flag: str = "--tokenizer",
+) -> Tokenizer:
+    """The tokenizer for a checkpoint: its own folder's, or `given` when that one means the same ids; its ids must
+    fit the model's vocabulary. Read before any weights."""
+    own = default_tokenizer_folder(checkpoint, model_config)
+    tokenizer = load_tokenizer(given or own)
+    check_vocab(tokenizer, vocab_size)
+    if given is not None:
+        check_same_tokenizer(tokenizer, given, own, flag)
+    return tokenizer
 
 
 def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_recur.config import ConfigError, JobConfig, config_to_dict, config_to_json, grad_accum_steps, parse_args
 from titan_recur.data.loader import DataError, build_dataloader, check_data_config
-from titan_recur.data.tokenizer import check_vocab, load_tokenizer
+from titan_recur.data.tokenizer import check_same_tokenizer, check_vocab, load_tokenizer
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.loss import count_labels
 from titan_recur.models.model import RecurrentLM
@@ -191,6 +191,8 @@ class Trainer:
             )
         tokenizer = load_tokenizer(folder)
         check_vocab(tokenizer, self.model_args.vocab_size)
+        if self.cfg.data.tokenizer and self.cfg.model.path:
+            check_same_tokenizer(tokenizer, self.cfg.data.tokenizer, Path(self.cfg.model.path), "data.tokenizer")
         if self.cfg.model.dim is not None:  # from scratch: the special tokens are the tokenizer's
             self.model_args = dataclasses.replace(
                 self.model_args, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id
