@@ -304,7 +304,7 @@ RUN_ELSEWHERE = {
     "bash tools/run_tests.sh": "the CI job itself (tools/run_tests.sh is .ci/run's test command)",
     'bash tools/run_tests.sh -m "not slow"': "the CI job's suite (a subset of it)",
     "bash tools/setup_env.sh": "the CI job itself (.ci/run starts with it)",
-    "bash tools/reproduce_mini.sh": "its --quick form, tests/test_compare.py (the full form takes 12.5 min)",
+    "bash tools/reproduce_mini.sh": "its --quick form, tests/test_compare.py (the full form takes 37 min)",
     "OMP_NUM_THREADS=1 python tools/bench_generate.py speculative --checkpoint "
     "outputs/mini/runs/recurrent_s0/final_model --task-dir outputs/mini/task": "on the --quick miniature, fewer "
     "settings: tests/test_compare.py::test_bench_speculative_decodes_the_plain_tokens_faster_per_iteration",

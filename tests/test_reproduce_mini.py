@@ -212,3 +212,16 @@ def test_flops_to_reach_names_the_smallest_r() -> None:
     assert reach["0.5"]["recurrent"] == {"flops": 1e12, "arm": "recurrent", "step": 200, "r": 2}
     assert reach["0.9"]["recurrent"]["r"] == 4
     assert reach["0.5"]["static"]["step"] == 680 and reach["0.8"]["static"] is None
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/results.md"])
+def test_quoted_result_tables_equal_the_shipped_summary(doc: str) -> None:
+    """The long-chain and extrapolation tables the docs quote are summarize_mini's rendering of the shipped
+    summary.json of the full run, line for line (a number edited by hand, or a rerun not shipped, fails)."""
+    summarize = load_tool("summarize_mini")
+    summary = json.loads((REPO / "docs" / "results" / "perm" / "summary.json").read_text())
+    text = (REPO / doc).read_text()
+    for group in ("long", "extrapolation"):
+        table = "\n".join(summarize.group_table(summary, group))
+        assert table in text, f"{doc}: the {group} table differs from docs/results/perm/summary.json"
+    assert summary["held_out_lengths"] == list(range(5, 17)) and summary["groups"]["extrapolation"] == [13, 14, 15, 16]
