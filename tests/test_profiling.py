@@ -60,3 +60,35 @@ def test_bad_profiling_options_are_refused_in_one_line(override, message):
     with pytest.raises(ConfigError) as err:
         load_config("train_configs/debug_model.toml", override)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "save_folder, checkpoint_folder, inside",
+    [
+        ("checkpoints", "checkpoints", "the checkpoint folder"),
+        ("checkpoints/profile", "checkpoints", "the checkpoint folder"),
+        ("ckpt/../checkpoints/step-2", "checkpoints", "the checkpoint folder"),
+        (".", ".", "the checkpoint folder"),
+        ("step-4", ".", "the checkpoint folder"),
+        ("final_model", "checkpoints", "the final model folder"),
+        ("final_model/traces", "checkpoints", "the final model folder"),
+    ],
+)
+def test_traces_are_never_written_into_checkpoints_or_the_final_model(tmp_path, save_folder, checkpoint_folder, inside):
+    """Trace folders are named step-N like checkpoints: among them a save sets a trace aside (or a trace
+    lands in a checkpoint), and in final_model/ they break the export at the end of the run."""
+    dump = tmp_path / "run"
+    override = ["--job.dump_folder", str(dump), "--checkpoint.folder", checkpoint_folder]
+    override += ["--profiling.trace_steps", "2", "--profiling.save_folder", save_folder]
+    with pytest.raises(ConfigError) as err:
+        load_config("train_configs/debug_model.toml", override)
+    assert f"profiling.save_folder {save_folder!r} would write into {inside}" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(
+    "save_folder, checkpoint_folder", [("profile", "checkpoints"), ("profile", "."), (".", "ckpt")]
+)
+def test_trace_folders_beside_the_checkpoints_are_accepted(tmp_path, save_folder, checkpoint_folder):
+    override = ["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.folder", checkpoint_folder]
+    override += ["--profiling.trace_steps", "2", "--profiling.save_folder", save_folder]
+    assert load_config("train_configs/debug_model.toml", override).profiling.save_folder == save_folder

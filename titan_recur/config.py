@@ -18,6 +18,7 @@ import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
+from pathlib import Path
 from typing import Any, Literal, Union, cast, get_args, get_origin, get_type_hints
 
 try:
@@ -41,6 +42,8 @@ NSDtype = Literal["auto", "bfloat16", "float32"]
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 
 _CLI = "command line"
+# The run's model export at the end of training, under job.dump_folder.
+FINAL_MODEL_FOLDER = "final_model"
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
 
@@ -382,7 +385,9 @@ class Profiling:
         "With each trace, its memory: the CUDA allocator's snapshot (a pickle for pytorch.org/memory_viz) on "
         "GPU, a table of the operators by CPU memory allocated on CPU.",
     )
-    save_folder: str = opt("profile", "Folder for the traces, relative to job.dump_folder.")
+    save_folder: str = opt(
+        "profile", "Folder for the traces, relative to job.dump_folder; never the checkpoint folder or final_model/."
+    )
 
 
 @dataclass
@@ -867,13 +872,32 @@ def _validate_data(d: Data) -> None:
         )
 
 
-def _validate_profiling(p: Profiling, steps: int) -> None:
+def _validate_profiling(cfg: JobConfig) -> None:
+    p, steps = cfg.profiling, cfg.training.steps
     for step in p.trace_steps:
         _require(1 <= step <= steps, f"profiling.trace_steps must be in 1..training.steps ({steps}), got {step}")
     _require(
         not p.memory_snapshot or p.trace_steps,
         "profiling.memory_snapshot is written with a trace: set profiling.trace_steps (the steps to record)",
     )
+    dump = Path(os.path.abspath(cfg.job.dump_folder))
+    traces = Path(os.path.normpath(dump / p.save_folder))
+    checkpoints = Path(os.path.normpath(dump / cfg.checkpoint.folder))
+    for folder, what in ((checkpoints, "the checkpoint folder"), (dump / FINAL_MODEL_FOLDER, "the final model folder")):
+        _require(
+            not _writes_into(traces, folder, dump),
+            f"profiling.save_folder {p.save_folder!r} would write into {what} ({folder}): its step-N trace folders "
+            "would mix with what the run saves there; choose a folder beside them (default 'profile')",
+        )
+
+
+def _writes_into(traces: Path, folder: Path, dump: Path) -> bool:
+    """Traces at or under ``folder``; a checkpoint folder that is the dump folder itself owns only its step-N."""
+    if traces == folder:
+        return True
+    if folder not in traces.parents:
+        return False
+    return folder != dump or traces.relative_to(dump).parts[0].startswith("step-")
 
 
 def validate(cfg: JobConfig) -> None:
@@ -924,7 +948,7 @@ def validate(cfg: JobConfig) -> None:
         )
     peak = cfg.metrics.peak_flops
     _require(peak is None or peak > 0, f"metrics.peak_flops must be > 0, got {peak}")
-    _validate_profiling(cfg.profiling, t.steps)
+    _validate_profiling(cfg)
     _validate_model(cfg.model)
     _validate_data(cfg.data)
 

@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from titan_recur.config import DataFormat, JobConfig, load_config
+from titan_recur.config import FINAL_MODEL_FOLDER, DataFormat, JobConfig, load_config
 from titan_recur.storage.checkpoint import read_metadata, scan_checkpoints
 from titan_recur.storage.model_io import check_output_files, read_model_args
 from titan_recur.training.cost_model import CONVENTIONS, TrainingRun, config_training_run
 from titan_recur.training.recurrence import RecurrenceSchedule
 from titan_recur.utils.plots import figure_vs_r, pyplot, save_figure
 
-CONFIG_NAME, METRICS_NAME, FINAL_MODEL = "config.json", "metrics.jsonl", "final_model"
+CONFIG_NAME, METRICS_NAME = "config.json", "metrics.jsonl"
 JSON_NAME, MARKDOWN_NAME = "compare.json", "compare.md"
 MARKDOWN_TITLE = "# Compute-matched comparison"
 # Headline metric of a task when --metric is not given: the first of these the task reports.
@@ -96,14 +96,14 @@ def read_run(
     if not (folder / CONFIG_NAME).is_file():
         raise ValueError(f"{folder}: not a training run (no {CONFIG_NAME}; the trainer writes it at start)")
     cfg = load_config(str(folder / CONFIG_NAME))
-    final = folder / FINAL_MODEL
+    final = folder / FINAL_MODEL_FOLDER
     final = final if (final / "config.json").is_file() else None  # type: ignore[assignment]
     ckpt_folder = folder / cfg.checkpoint.folder
     steps = scan_checkpoints(ckpt_folder).complete
     records = train_records(folder)
     progress = max([*steps, *(r["step"] for r in records), cfg.training.steps if final else 0], default=0)
     if progress == 0:
-        raise ValueError(f"{folder}: no progress yet (no {METRICS_NAME} records, checkpoints or {FINAL_MODEL})")
+        raise ValueError(f"{folder}: no progress yet (no {METRICS_NAME} records, checkpoints or {FINAL_MODEL_FOLDER})")
     saved_world = checkpoint_world_size(ckpt_folder / f"step-{steps[-1]}") if steps else None
     if not records and (folder / METRICS_NAME).is_file() and world_size is None and saved_world is None:
         raise ValueError(
@@ -126,11 +126,11 @@ def read_run(
     if final:
         run.points.append(EvalPoint(progress, final))
     if not run.points:
-        raise ValueError(f"{folder}: nothing to evaluate (no {FINAL_MODEL} and no complete checkpoint)")
+        raise ValueError(f"{folder}: nothing to evaluate (no {FINAL_MODEL_FOLDER} and no complete checkpoint)")
     if any(p.model_config is not None and not (p.model_config / "config.json").is_file() for p in run.points):
         raise ValueError(
             f"{folder}: its checkpoints need a model folder for their architecture; "
-            f"neither {FINAL_MODEL}/ nor model.path {cfg.model.path} has a config.json"
+            f"neither {FINAL_MODEL_FOLDER}/ nor model.path {cfg.model.path} has a config.json"
         )
     return run
 

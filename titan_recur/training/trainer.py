@@ -24,7 +24,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_recur.config import ConfigError, JobConfig, config_to_dict, config_to_json, grad_accum_steps, parse_args
+from titan_recur.config import (
+    FINAL_MODEL_FOLDER,
+    ConfigError,
+    JobConfig,
+    config_to_dict,
+    config_to_json,
+    grad_accum_steps,
+    parse_args,
+)
 from titan_recur.data.loader import DataError, build_dataloader, check_data_config
 from titan_recur.data.tokenizer import check_same_tokenizer, check_vocab, load_tokenizer
 from titan_recur.models.args import ModelArgs
@@ -317,7 +325,7 @@ class Trainer:
             self.watchdog.step_finished(self.step)
         self.checkpointer.wait()
         if self.cfg.checkpoint.export_final:
-            export_model(self.model, self.model_args, self.dump / "final_model", self.tokenizer_folder())
+            export_model(self.model, self.model_args, self.dump / FINAL_MODEL_FOLDER, self.tokenizer_folder())
         self.metrics.close()
         return 0
 
