@@ -504,6 +504,75 @@ def test_an_async_save_on_a_full_disk_and_its_rerun_each_end_in_one_line(model, 
     assert left == ["step-2", "step-4"]
 
 
+def fill_disk(filler: Path, leave: int) -> None:
+    """Zeros into ``filler`` until ``leave`` bytes of its file system are free."""
+    stat = os.statvfs(filler.parent)
+    size = max(stat.f_bavail * stat.f_frsize - leave, 0)
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while size > 0:
+            size -= f.write(b"\0" * min(size, 1 << 20))
+
+
+def test_every_writer_on_a_full_disk_ends_in_one_line_and_leaves_nothing(tmp_path):
+    """convert, export and eval loss/heldout on a disk with 8 KB free: one line, exit 1, no file of theirs left
+    (an empty or partial result made the rerun refuse it without --force, and --force then refuse it as not
+    theirs); with the space freed the same command completes."""
+    disk, config = tmp_path / "tmpfs", REPO_ROOT / "train_configs" / "debug_model.toml"
+    model, data = REPO_ROOT / "assets" / "tiny_llama_recurrent", REPO_ROOT / "assets" / "corpus" / "math.jsonl"
+    loss = ["--checkpoint", str(model), "--data", str(data), "--recurrences", "1,2", "--batches", "1"]
+    commands = {
+        "convert": ["-m", "titan_recur.cli.convert", str(REPO_ROOT / "assets" / "tiny_llama"), str(disk / "conv")],
+        "export": ["-m", "titan_recur.cli.export", str(model), str(disk / "hf")],
+        "eval loss": ["-m", "titan_recur.eval", "loss", *loss, "--batch-size", "2", "--seq-len", "32"],
+        "eval heldout": ["-m", "titan_recur.eval", "heldout", "--config", str(config), "--documents", "50"],
+    }
+    commands["convert"] += ["--shape", "2,4,2"]
+    commands["eval loss"] += ["--out", str(disk / "loss")]
+    commands["eval heldout"] += ["--out", str(disk / "held_out.jsonl")]
+    results = {}
+    with tmpfs(disk):
+        for name, command in commands.items():
+            fill_disk(disk / "filler", leave=8 << 10)
+            full = subprocess.run([sys.executable, *command], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True)
+            left = sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if p.is_file() and p.name != "filler")
+            (disk / "filler").unlink()
+            again = subprocess.run([sys.executable, *command], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True)
+            results[name] = full, left, again
+            for path in disk.iterdir():
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for name, (full, left, again) in results.items():
+        lines = full.stderr.strip().splitlines()
+        assert full.returncode == 1 and len(lines) == 1, (name, full.returncode, full.stderr[-3000:])
+        assert "No space left on device" in lines[0] and str(disk) in lines[0], (name, lines[0])
+        assert left == [], (name, left)
+        assert again.returncode == 0, (name, again.stderr[-3000:])
+
+
+def test_a_final_export_on_a_full_disk_ends_in_one_line_and_the_rerun_exports(model, tmp_path):
+    """Training done, its last checkpoint elsewhere: the final model does not fit. One line naming the folder
+    and the checkpoint, no final_model/ (nor a temporary) left; the same command, with space, writes it."""
+    config = write_config(tmp_path / "run.toml", model, CORPUS_DATA)
+    run = ["--config", str(config), "--training.global_batch_size", "4", "--training.steps", "2"]
+    base, disk = tmp_path / "base", tmp_path / "tmpfs"
+    on_disk = [*run, "--job.dump_folder", str(disk / "run"), "--checkpoint.folder", str(tmp_path / "ckpt")]
+    filler = {"file": str(disk / "filler"), "leave_like": str(base / "final_model"), "factor": 0.5}
+    jobs = [
+        {"argv": [*run, "--job.dump_folder", str(base)]},
+        {"argv": on_disk, "fill": filler},
+        {"argv": on_disk, "unlink": [str(disk / "filler")]},
+    ]
+    with tmpfs(disk):
+        results = run_single_jobs(jobs, tmp_path)
+        left = sorted(p.name for p in (disk / "run").iterdir())
+    full, rerun = results[1], results[2]
+    assert full["rc"] == EXIT_IO_FAILURE, full["stderr"][-3000:]
+    line = error_line(full)
+    assert "No space left on device" in line and f"{disk / 'run' / 'final_model'}" in line, line
+    assert f"latest complete checkpoint: {tmp_path / 'ckpt' / 'step-2'}" in line, line
+    assert rerun["rc"] == 0 and not rerun["stderr"].strip(), rerun["stderr"][-3000:]
+    assert "final_model" in left and not [name for name in left if name.startswith(".final_model")], left
+
+
 # -------------------------------------------------------------------------------------------- tools
 
 

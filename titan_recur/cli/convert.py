@@ -145,6 +145,9 @@ def main() -> None:
     except ConversionError as e:
         print(f"convert_hf.py: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # the output's disk (full, read-only): nothing was written
+        print(f"convert_hf.py: error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

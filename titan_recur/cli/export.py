@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"export_hf.py: error: {e}", file=sys.stderr)
         return 2
-    except HubUploadError as e:
+    except (HubUploadError, OSError) as e:  # a failed upload keeps the export; a full disk writes nothing
         print(f"export_hf.py: error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -446,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ImportError, CheckpointError) as err:
         print(f"python -m titan_recur.eval {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # writing the results (a full disk): none of them is left half written
+        print(f"python -m titan_recur.eval {args.command}: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -14,6 +14,7 @@ from titan_recur.config import Data, DataFormat, DataSource, load_config
 from titan_recur.data.loader import build_dataloader
 from titan_recur.data.tokenizer import Tokenizer
 from titan_recur.models.model import RecurrentLM
+from titan_recur.storage.model_io import write_files_atomically
 from titan_recur.training.validation import mean_losses, validation_loss_sums
 from titan_recur.utils.plots import figure_vs_r, save_figure
 from titan_recur.utils.progress import progress
@@ -93,18 +94,17 @@ def write_documents(documents: Iterable[str | tuple[str, str]], out: str | Path,
     ...}), written atomically; returns the count."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
     count = 0
-    try:
-        with open(tmp, "w") as f:
+
+    def write(path: Path) -> None:
+        nonlocal count
+        with open(path, "w") as f:
             for doc in itertools.islice(documents, limit):
                 row = {"prompt": doc[0], "completion": doc[1]} if isinstance(doc, tuple) else {"text": doc}
                 f.write(json.dumps(row) + "\n")
                 count += 1
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    tmp.replace(out)
+
+    write_files_atomically({out: write})
     return count
 
 
@@ -209,6 +209,11 @@ def write_report(report: dict[str, Any], out: str | Path, title: str) -> tuple[P
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     json_path, plot_path = out / JSON_NAME, out / PLOT_NAME
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    plot_losses({int(r): v for r, v in report["loss"].items()}, plot_path, title)
+    losses = {int(r): v for r, v in report["loss"].items()}
+    write_files_atomically(
+        {
+            json_path: lambda path: path.write_text(json.dumps(report, indent=2) + "\n"),
+            plot_path: lambda path: plot_losses(losses, path, title),
+        }
+    )
     return json_path, plot_path

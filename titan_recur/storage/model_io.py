@@ -6,14 +6,18 @@ for checking where one may be written.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from titan_recur.models.args import PRESETS, ModelArgs
@@ -35,6 +39,8 @@ WEIGHTS_NAME = "model.safetensors"
 CONFIG_KEY = "titan_recur"
 MODEL_ARCHITECTURES = ["RecurrentLM"]  # a model folder's config.json; an HF export names its transformers class
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Failures of the file system being written (full, over quota, read-only, failing), not of an input.
+DISK_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -92,7 +98,13 @@ def savable_state_dict(model: RecurrentLM) -> dict[str, torch.Tensor]:
 def save_weights(state: dict[str, torch.Tensor], folder: Path) -> None:
     """model.safetensors, readable by everyone (safetensors creates it owner-only; model folders are shared)."""
     path = folder / WEIGHTS_NAME
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
+    try:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
+    except SafetensorError as err:  # its I/O failures (a full disk) are OSErrors like every other writer's
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
     path.chmod(0o644)
 
 
@@ -222,7 +234,8 @@ def check_output_files(
 def write_atomically(output: Path, write: Callable[[Path], object], *, kind: str) -> None:
     """Build the folder beside OUTPUT, seal it (manifest of ``kind``), then swap it in by rename.
 
-    On failure the partial folder is removed and OUTPUT is left as it was.
+    On failure the partial folder is removed and OUTPUT is left as it was; an I/O error (a full disk)
+    names OUTPUT, not the temporary folder.
     """
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
@@ -237,9 +250,33 @@ def write_atomically(output: Path, write: Callable[[Path], object], *, kind: str
             shutil.rmtree(old)
         else:
             tmp.replace(output)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise_naming(err, output)
+
+
+def write_files_atomically(writers: Mapping[Path, Callable[[Path], object]]) -> None:
+    """Each ``writer(path)`` writes a temporary file beside its path (same suffix, for writers that go by
+    it); once all are written each replaces its path. On failure every temporary is removed and the paths
+    are left as they were: a full disk leaves no empty or partial result that a rerun would refuse."""
+    temporaries = {path: path.with_name(f".{path.stem}.partial{path.suffix}") for path in writers}
+    current = next(iter(writers))
+    try:
+        for current, write in writers.items():
+            write(temporaries[current])
+        for current, tmp in temporaries.items():
+            tmp.replace(current)
+    except BaseException as err:
+        for tmp in temporaries.values():
+            tmp.unlink(missing_ok=True)
+        raise_naming(err, current)
+
+
+def raise_naming(err: BaseException, output: Path) -> NoReturn:
+    """Raise ``err``; a disk error as an OSError naming ``output`` (not a temporary, or no file at all)."""
+    if isinstance(err, OSError) and err.errno in DISK_ERRORS:
+        raise OSError(err.errno, err.strerror, str(output)) from None
+    raise err
 
 
 def architecture_args(model: Model) -> ModelArgs:
