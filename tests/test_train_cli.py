@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.torchrun_util import DEBUG_CONFIG, debug_run_argv, run_torchrun
-from titan_recur.training.trainer import main
+from tests.torchrun_util import DEBUG_CONFIG, REPO_ROOT, debug_run_argv, run_torchrun
+from titan_recur.storage.checkpoint import scan_checkpoints
+from titan_recur.training.trainer import EXIT_INTERRUPTED, EXIT_PREEMPTED, main
 
 METRIC_KEYS = {
     "step",
@@ -114,3 +120,79 @@ def test_world_size_not_divisible_by_mesh_fails_on_every_rank(tmp_path):
         )
     assert "world size 2 is not divisible by parallel.dp_replicate=3" in str(failure.value)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------------------------------- Ctrl-C
+
+INTERRUPT_RUN = ("--training.steps", "40", "--validation.enable", "false", "--checkpoint.interval", "100")
+
+
+def start_interruptible(command: list[str], log: Path) -> subprocess.Popen:
+    """In its own session, as a terminal's foreground job is (Ctrl-C is SIGINT to that process)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def wait_for(condition, proc: subprocess.Popen, log: Path) -> None:
+    """Until ``condition()`` holds; the run must not end first."""
+    deadline = time.monotonic() + 300
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the run ended or timed out first:\n{log.read_text()[-4000:]}")
+        time.sleep(0.05)
+
+
+def logged_steps(dump: Path) -> int:
+    path = dump / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def test_ctrl_c_writes_a_checkpoint_like_sigterm_and_says_one_line(tmp_path):
+    """Ctrl-C during training: the step ends, its checkpoint is written, exit 42 (requeue or rerun resumes),
+    no traceback; the run says at once what it will do."""
+    dump, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start_interruptible([sys.executable, *debug_run_argv(dump, *INTERRUPT_RUN)], log)
+    wait_for(lambda: logged_steps(dump) >= 3, proc, log)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=300) == EXIT_PREEMPTED, log.read_text()[-4000:]
+    output = log.read_text()
+    stopped = scan_checkpoints(dump / "checkpoints").complete[-1]
+    assert stopped >= 3 and "Traceback" not in output and "KeyboardInterrupt" not in output, output[-4000:]
+    assert output.count("Ctrl-C: finishing this step and writing a checkpoint") == 1, output[-4000:]
+    assert f"preemption signal at step {stopped}: checkpoint {dump / 'checkpoints' / f'step-{stopped}'}" in output
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
+    dump, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start_interruptible([sys.executable, *debug_run_argv(dump, *INTERRUPT_RUN)], log)
+    wait_for(lambda: logged_steps(dump) >= 3, proc, log)
+    proc.send_signal(signal.SIGINT)
+    wait_for(lambda: "Ctrl-C: finishing this step" in log.read_text(), proc, log)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=300) == EXIT_INTERRUPTED, log.read_text()[-4000:]
+    output = log.read_text()
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in output and len(errors) == 1, output[-4000:]
+    assert errors[0].startswith("error: interrupted at step ") and "latest complete checkpoint: none" in errors[0]
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_torchrun_checkpoints_without_a_traceback_per_rank(tmp_path):
+    """A terminal's Ctrl-C reaches torchrun (its workers run in sessions of their own), which forwards SIGINT
+    to every worker: one checkpoint, one line, no worker traceback (torchrun's own report of the signal
+    remains: it is torchrun's)."""
+    dump, log = tmp_path / "run", tmp_path / "run.log"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    proc = start_interruptible([*torchrun, *debug_run_argv(dump, *INTERRUPT_RUN)], log)
+    wait_for(lambda: logged_steps(dump) >= 3, proc, log)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=300)
+    output = log.read_text()
+    stopped = scan_checkpoints(dump / "checkpoints").complete[-1]
+    assert "[rank0]: Traceback" not in output and "[rank1]: Traceback" not in output, output[-4000:]
+    assert "KeyboardInterrupt" not in output, output[-4000:]
+    assert output.count(f"preemption signal at step {stopped}: checkpoint") == 1, output[-4000:]

@@ -76,6 +76,8 @@ EXIT_NONFINITE = 3
 EXIT_BAD_INPUT = 2
 # An I/O failure (disk full, ...) while running; the checkpoints written before are intact.
 EXIT_IO_FAILURE = 1
+# A second Ctrl-C (or one before training): stopped at once, nothing of the step saved (128 + SIGINT, as shells).
+EXIT_INTERRUPTED = 130
 # A step did not finish in time (training.step_timeout_s) or a collective timed out / lost a rank:
 # EXIT_STALLED, from titan_recur.training.watchdog.
 
@@ -112,16 +114,36 @@ def init_distributed(device_choice: str, timeout_s: float) -> DistInfo:
 
 
 class PreemptionFlag:
-    """Set by SIGTERM/SIGUSR1 on this rank; ``agreed`` (any rank got one) travels with each step's reduction."""
+    """Set by SIGTERM/SIGUSR1 on this rank, and by the first Ctrl-C once training runs; ``agreed`` (any rank
+    got one) travels with each step's reduction. ``notice``: what rank 0 says on the first Ctrl-C."""
 
-    def __init__(self) -> None:
+    def __init__(self, notice: str | None) -> None:
         self.requested = False
         self.agreed = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
+        self.stopped_at_once = False  # a second Ctrl-C: whatever it broke (a save half written) is its doing
+        self.notice = notice
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def catch_interrupt(self) -> None:
+        """The first Ctrl-C ends the run as SIGTERM does; the next raises KeyboardInterrupt (stop at once).
+        Before training a Ctrl-C stops at once: nothing is worth saving yet."""
+        self._previous.setdefault(signal.SIGINT, signal.signal(signal.SIGINT, self._interrupt))
+
+    def restore(self) -> None:
+        """The handlers from before the trainer (a process that goes on, as a test's, gets its own back)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: object) -> None:
         self.requested = True
+
+    def _interrupt(self, signum: int, frame: object) -> None:
+        if self.requested:
+            self.stopped_at_once = True
+            raise KeyboardInterrupt
+        self.requested = True
+        if self.notice:
+            os.write(1, f"[titan_recur] {self.notice}\n".encode())  # no print: a handler may interrupt one
 
 
 class NonFiniteError(RuntimeError):
@@ -183,7 +205,12 @@ class Trainer:
             wandb=cfg.metrics if cfg.metrics.enable_wandb else None,
             run_config=config_to_dict(cfg),
         )
-        self.preemption = PreemptionFlag()
+        saving = " and writing a checkpoint" if cfg.checkpoint.enable else ""
+        self.preemption = PreemptionFlag(
+            f"Ctrl-C: finishing this step{saving}, then exiting ({EXIT_PREEMPTED}); Ctrl-C again stops at once"
+            if self.dist.rank == 0
+            else None
+        )
         self.async_save_written = False  # every rank's background save has finished (agreed each step)
         self.training = False  # the loop has started: failures from now on name the step and last checkpoint
         self.watchdog = StepWatchdog(cfg.training.step_timeout_s, self.dist.rank, self.dist.world_size)
@@ -310,6 +337,7 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):  # iter() draws a seed: keep the restored RNG for bit-exact resume
             data_iter = iter(self.dataloader)
         self.watchdog.start(heartbeat_store())
+        self.preemption.catch_interrupt()
         self.training = True
         while self.step < steps:
             self.step += 1
@@ -538,6 +566,7 @@ class Trainer:
         return folders
 
     def close(self) -> None:
+        self.preemption.restore()
         self.watchdog.stop()
         self.metrics.close()
         for lock in self.run_locks:
@@ -649,7 +678,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(cfg)
         return trainer.train()
+    except KeyboardInterrupt:
+        return report_interrupt(trainer)
     except Exception as err:
+        if trainer is not None and trainer.preemption.stopped_at_once:  # a save broken by the second Ctrl-C
+            return report_interrupt(trainer)
         code = exit_code(err, training=trainer is not None and trainer.training)
         if code is None:  # a bug: its traceback
             raise
@@ -681,15 +714,8 @@ def exit_code(err: Exception, training: bool) -> int | None:
 
 def describe_failure(err: Exception, code: int, trainer: Trainer | None, cfg: JobConfig) -> str:
     """The error line: where it happened (the step, the latest checkpoint) when the loop was running."""
-    running = trainer if trainer is not None and trainer.training else None
-    training = running is not None
-    where = f"at step {running.step}" if running is not None else "before training"
-    latest = running.checkpointer.latest_step() if running is not None else None
-    last_good = (
-        ""
-        if running is None
-        else (f"; latest complete checkpoint: {'none' if latest is None else running.checkpointer.step_folder(latest)}")
-    )
+    training = trainer is not None and trainer.training
+    where, last_good = describe_position(trainer)
     if code == EXIT_STALLED:
         reason = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip()).splitlines()[0]  # gloo's source location
         return (
@@ -701,6 +727,21 @@ def describe_failure(err: Exception, code: int, trainer: Trainer | None, cfg: Jo
     if code == EXIT_IO_FAILURE:
         return f"I/O failure {where}: {err}{last_good}"
     return f"{where}: {err}{last_good}" if training else str(err)
+
+
+def report_interrupt(trainer: Trainer | None) -> int:
+    where, last_good = describe_position(trainer)
+    report_error(f"interrupted {where} (Ctrl-C): stopped at once, nothing of this step saved{last_good}")
+    return EXIT_INTERRUPTED
+
+
+def describe_position(trainer: Trainer | None) -> tuple[str, str]:
+    """("before training", "") or, once the loop runs, ("at step N", "; latest complete checkpoint: FOLDER")."""
+    if trainer is None or not trainer.training:
+        return "before training", ""
+    latest = trainer.checkpointer.latest_step()
+    folder = "none" if latest is None else trainer.checkpointer.step_folder(latest)
+    return f"at step {trainer.step}", f"; latest complete checkpoint: {folder}"
 
 
 def report_error(message: str) -> None:
