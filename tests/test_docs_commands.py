@@ -435,3 +435,25 @@ def test_the_readme_cost_table_is_the_cost_models():
     readme = (REPO / "README.md").read_text()
     shown = readme.split("<!-- cost-table -->\n", 1)[1].split("\n<!-- /cost-table -->", 1)[0]
     assert shown == cost_table.table(0.4)
+
+
+def test_the_readme_example_output_folders_are_gitignored():
+    """Running the README's commands in a checkout must not leave untracked outputs for `git add -A` to take:
+    every relative folder they name that the repository does not hold (outputs/, out/, hf_out/, ...)."""
+    readme = [c for c in documented_commands() if c.doc == "README.md"]
+    folders = {
+        token.split("/")[0]
+        for command in readme
+        for argv in simple_commands(command.text)
+        for token in argv[1:]
+        if re.fullmatch(r"[a-z_]+/\S*", token) and not (REPO / token.split("/")[0]).exists()
+    }
+    assert {"outputs", "out"} <= folders, folders  # the parse finds them
+    checked = subprocess.run(
+        ["git", "check-ignore", "--no-index", *(f"{folder}/example" for folder in sorted(folders))],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    ignored = {line.split("/")[0] for line in checked.stdout.splitlines()}
+    assert folders <= ignored, f"not in .gitignore: {sorted(folders - ignored)}"
