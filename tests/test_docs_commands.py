@@ -9,6 +9,8 @@ docs' placeholders resolved the way the docs say; each must still appear verbati
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -457,3 +459,25 @@ def test_the_readme_example_output_folders_are_gitignored():
     )
     ignored = {line.split("/")[0] for line in checked.stdout.splitlines()}
     assert folders <= ignored, f"not in .gitignore: {sorted(folders - ignored)}"
+
+
+def test_every_text_that_uses_the_debug_runs_outputs_says_which_command_makes_them():
+    """A reader who meets outputs/debug/... (a doc, a command's --help) learns it is the debug run's."""
+    make = "python -m titan_recur.train --config train_configs/debug_model.toml"
+    texts = {str(doc.relative_to(REPO)): doc.read_text() for doc in DOCS}
+    texts.update({str(path.relative_to(REPO)): path.read_text() for path in (REPO / "titan_recur").rglob("*.py")})
+    using = {name for name, text in texts.items() if "outputs/debug/" in text}
+    assert {"docs/generation.md", "titan_recur/cli/generate.py"} <= using, using
+    silent = sorted(name for name in using if make not in " ".join(texts[name].split()))
+    assert not silent, f"outputs/debug/ without `{make}`: {silent}"
+
+
+def test_the_python_engine_snippet_runs_as_written():
+    """docs/generation.md's Python example, on a real model folder in place of the debug run's."""
+    text = (REPO / "docs" / "generation.md").read_text()
+    (snippet,) = [block for block in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M) if "load_model" in block]
+    folder = str(REPO / "assets" / "tiny_llama_recurrent")
+    namespace: dict = {}
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        exec(snippet.replace('"outputs/debug/final_model"', repr(folder)), namespace)  # noqa: S102
+    assert namespace["out"].tokens.shape[0] == 2 and printed.getvalue().startswith("[")

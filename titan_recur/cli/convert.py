@@ -20,7 +20,8 @@ Layers (pick one way):
 
 With --adapter-init identity (A = [0 | I]) and r = 1 the output computes exactly the source model
 restricted to the kept layers. OUTPUT gets config.json, model.safetensors, the source's tokenizer
-files and conversion.json (provenance). Errors are one line, exit code 2, and nothing is written.
+files and conversion.json (provenance). Errors are one line, exit code 2 (bad input) or 1 (the output
+cannot be written: a full disk), and nothing is written.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ Examples:
   python tools/export_hf.py outputs/debug/final_model out/debug_hf
   python tools/export_hf.py outputs/run/checkpoints/step-50000 out/run_hf --model-config out/tinyllama_4_8_4
   python tools/export_hf.py out/tinyllama_static out/tinyllama_static_hf      # static: a plain LlamaForCausalLM
+(outputs/debug/final_model: the debug run's model, made by `python -m titan_recur.train --config train_configs/debug_model.toml`.)
 
 A recurrent model loads with
   model = AutoModelForCausalLM.from_pretrained(OUTPUT, trust_remote_code=True)
@@ -13,8 +14,8 @@ ships its own modeling code (titan_recur's, inlined): titan_recur need not be in
 A static baseline (no recurrent core) is exported as the source family's plain HF model. The model card
 (README.md) describes the model, its source and layer map, the training run it comes from (when the
 checkpoint is in a run's folder), the --eval-table results, limits and the citation.
-Errors are one line, exit code 2, and nothing is written; a failed upload (login, network) is one line, exit
-code 1, and keeps the export.
+Errors are one line, exit code 2, and nothing is written; a full disk is one line, exit code 1, and nothing is
+written; a failed upload (login, network) is one line, exit code 1, and keeps the export.
 """
 
 from __future__ import annotations

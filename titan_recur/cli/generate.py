@@ -5,6 +5,7 @@ Examples:
       --num-steps 8
   python -m titan_recur.generate --checkpoint MODEL --prompts prompts.jsonl --num-steps 32 --kv-sharing latest \\
       --exit kl --exit-threshold 1e-3 --min-steps 4 --batch-size 8 --json
+(outputs/debug/final_model: the debug run's model, made by `python -m titan_recur.train --config train_configs/debug_model.toml`.)
 
 --prompts reads a JSON-lines file with a "prompt" string per line. --json prints one JSON object:
 {"prompts": [{"prompt", "text", "tokens", "steps_per_token", "mean_steps"}, ...], "mean_steps",

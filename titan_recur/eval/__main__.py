@@ -12,8 +12,10 @@ Examples:
       --tasks gsm8k_cot_recur --recurrences 32 --exit-thresholds 1e-2,1e-3,1e-4 --out outputs/eval/gsm8k_exit
   python -m titan_recur.eval lm_eval run --model titan_recur --model_args pretrained=PATH,num_steps=32 \\
       --tasks gsm8k_cot_recur --include_path tasks       # lm_eval's own CLI, the model registered
+(outputs/debug: the debug run, made by `python -m titan_recur.train --config train_configs/debug_model.toml`.)
 
-Errors are one line on stderr, exit code 2.
+Errors are one line on stderr: exit code 2 for bad input, 1 when the results cannot be written (a full
+disk; nothing of them is left).
 """
 
 from __future__ import annotations
