@@ -196,3 +196,19 @@ def test_ctrl_c_to_torchrun_checkpoints_without_a_traceback_per_rank(tmp_path):
     assert "[rank0]: Traceback" not in output and "[rank1]: Traceback" not in output, output[-4000:]
     assert "KeyboardInterrupt" not in output, output[-4000:]
     assert output.count(f"preemption signal at step {stopped}: checkpoint") == 1, output[-4000:]
+
+
+def test_a_static_run_logs_no_recurrence_fields(tmp_path, capsys):
+    """A static baseline has no r, n or k: its console lines and metrics records do not invent them."""
+    from titan_recur.cli.convert import run as convert
+
+    static, dump = tmp_path / "static", tmp_path / "run"
+    convert([str(REPO_ROOT / "assets" / "tiny_llama"), str(static), "--static"])
+    argv = ["--config", DEBUG_CONFIG, "--model.path", str(static), "--job.dump_folder", str(dump)]
+    argv += ["--training.steps", "4", "--metrics.log_freq", "2", "--validation.enable", "false"]
+    argv += ["--recurrence.mean_recurrence", "1", "--recurrence.curriculum", "none"]
+    assert main(argv) == 0
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(steps) == 2 and not [line for line in steps if "mean r" in line or "n=" in line], steps
+    for record in read_metrics(dump):
+        assert not {"mean_recurrence", "backprop_depth", "n", "k"} & record.keys(), record

@@ -175,10 +175,12 @@ class MetricsLogger:
         self.window.reset()
         mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
         eta = "" if steps_left is None else f"  eta {format_duration(record['eta_seconds'])}"
+        depth = (  # a static model's record has none
+            f"mean r {record['mean_recurrence']} (this step n={record['n']} k={record['k']})  " if "n" in record else ""
+        )
         console = (
             f"step {record['step']:>6}  loss {record['loss']:.4f} (avg {record['loss_avg']:.4f})  "
-            f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
-            f"mean r {record['mean_recurrence']} (this step n={record['n']} k={record['k']})  "
+            f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  {depth}"
             f"tok/s {record['tokens_per_sec']:,.0f}  mfu {mfu}  mem {record['max_memory']:.2f}GiB{eta}"
         )
         self.log(record, console)

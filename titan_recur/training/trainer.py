@@ -388,11 +388,17 @@ class Trainer:
             "grad_norm": grad_norm,
             "lr": next(iter(lrs.values())),
             **{f"lr_{name}": lr for name, lr in lrs.items()},
+            **(self._recurrence_record(n, k) if self.model_args.is_recurrent else {}),
+            "tokens_seen": self.progress.tokens_seen,
+        }
+
+    def _recurrence_record(self, n: int, k: int) -> dict[str, int | float]:
+        """The step's depth: the schedule's mean r and backprop depth, the sampled no-grad and grad iterations."""
+        return {
             "mean_recurrence": self.schedule.mean(self.step),
             "backprop_depth": self.schedule.backprop_depth(self.step),
             "n": n,
             "k": k,
-            "tokens_seen": self.progress.tokens_seen,
         }
 
     def forward_backward(self, batch: dict[str, torch.Tensor], n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
