@@ -69,6 +69,10 @@ result["checkpointed_grads_equal"] = all(torch.allclose(a, b, atol=1e-6, rtol=0)
 model.zero_grad()
 model(ids, labels=ids).loss.backward()  # no depth given: drawn by the sampler
 result["sampled_step_trains_the_core"] = all(p.grad is not None for p in model.model.core.parameters())
+model.save_pretrained(out + "/saved")  # as Trainer does: the card kept, a manifest written
+saved = AutoModelForCausalLM.from_pretrained(out + "/saved", trust_remote_code=True)
+result["saved_reloads_verified"] = saved.checksums_verified
+result["saved_card_notices"] = open(out + "/saved/README.md").read().count("Saved with `save_pretrained`")
 torch.save({"logits": logits, "greedy": greedy}, out + "/outputs.pt")
 json.dump(result, open(out + "/result.json", "w"))
 """
@@ -117,3 +121,4 @@ def test_export_runs_on_transformers(
     assert result["model_inputs"] == ["attention_mask", "input_ids"] and result["trainer_loss"] > 0
     assert result["every_parameter_gets_grad"] and result["checkpointed_grads_equal"]
     assert result["sampled_step_trains_the_core"]
+    assert result["saved_reloads_verified"] and result["saved_card_notices"] == 1

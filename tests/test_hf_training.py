@@ -205,6 +205,31 @@ def test_peft_lora_trains_merges_and_reloads(exported: Path, tmp_path: Path) -> 
     torch.testing.assert_close(reloaded, trained, atol=1e-5, rtol=0)
 
 
+def test_save_pretrained_keeps_the_card_and_seals_the_folder(exported: Path, tmp_path: Path, caplog) -> None:
+    """A fine-tuned export saved with save_pretrained (what Trainer and a merged PEFT model call) keeps the
+    model card, marked as saved after loading, and a manifest: it reloads verified, without the
+    "unverified" warning every fine-tuned folder gave."""
+    model = load(exported)
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.5)  # fine-tuned
+    model.save_pretrained(tmp_path / "tuned")
+    card = (tmp_path / "tuned" / "README.md").read_text()
+    source_card = (exported / "README.md").read_text()
+    assert card.startswith("---\n") and f"Saved with `save_pretrained` from the model loaded from `{exported}`" in card
+    assert source_card.split("---\n", 2)[2].strip() in card  # the source's card follows the notice
+    manifest = json.loads((tmp_path / "tuned" / "manifest.json").read_text())
+    assert manifest["kind"] == "hf_export" and {"config.json", "model.safetensors", "README.md"} <= set(
+        manifest["files"]
+    )
+    with caplog.at_level("WARNING"):
+        reloaded = load(tmp_path / "tuned")
+    assert reloaded.checksums_verified and "unverified" not in caplog.text
+    torch.testing.assert_close(reloaded.model.norm.weight, model.model.norm.weight)
+    again = tmp_path / "tuned_again"
+    reloaded.save_pretrained(again)  # the card of a saved folder is not marked twice
+    assert (again / "README.md").read_text().count("Saved with `save_pretrained`") == 1
+
+
 # Device maps of the 280 KB export: a CPU budget that keeps only the embedding in memory, and every
 # other module on disk but the prelude and the coda.
 OFFLOAD_CASES = {

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,10 @@ from .configuration_titan_recur import TitanRecurConfig
 
 logger = transformers.logging.get_logger(__name__)
 # The manifest titan_recur writes into every folder it makes (titan_recur/storage/manifest.py's format).
-MANIFEST_NAME = "manifest.json"
+MANIFEST_NAME, CHECKSUM = "manifest.json", "xxh3_128"
+# The model card of an export, and the line save_pretrained puts at the top of a saved copy's.
+CARD_NAME = "README.md"
+SAVED_NOTICE = "> Saved with `save_pretrained`"
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 # Where transformers carries a model's cache between generation steps (outputs and model kwargs).
 CACHE_FIELD = "cache" if TRANSFORMERS_MAJOR >= 5 else "past_key_values"
@@ -126,6 +130,18 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model.checksums_verified = verified  # type: ignore[assignment]
         return model
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        """transformers' save_pretrained (what Trainer and a merged PEFT model call), then the model card of the
+        folder this model was loaded from, marked as saved after that load, and a manifest.json of every file:
+        a fine-tuned folder describes itself and reloads verified."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if not kwargs.get("is_main_process", True):
+            return
+        folder, source = Path(save_directory), Path(self.config._name_or_path or "")
+        if (source / CARD_NAME).is_file() and source.resolve() != folder.resolve():
+            (folder / CARD_NAME).write_text(saved_card((source / CARD_NAME).read_text(), source))
+        write_manifest(folder)
 
     def _init_weights(self, module: nn.Module) -> None:
         # titan_recur's own init (from_config); an export's weights then load over it.
@@ -478,6 +494,33 @@ def drop_right_padding_warning(record: logging.LogRecord) -> bool:
     return record.getMessage() != RIGHT_PADDING_WARNING
 
 
+def saved_card(card: str, source: Path) -> str:
+    """The card of ``source`` with a notice after its front matter (the Hub's YAML), replacing an earlier one."""
+    front, body = cast(re.Match, re.match(r"(---\n.*?\n---\n)?(.*)", card, re.S)).groups()
+    if body.startswith(SAVED_NOTICE):
+        body = body.split("\n\n", 1)[-1]
+    notice = (
+        f"{SAVED_NOTICE} from the model loaded from `{source}`. Training after that load (Trainer, PEFT, ...) is not "
+        "described here: the sections below describe that model.\n\n"
+    )
+    return (front or "") + notice + body
+
+
+def write_manifest(folder: Path) -> None:
+    """manifest.json of the folder's files (titan_recur's format, kind hf_export); none without xxhash."""
+    try:
+        import xxhash
+    except ImportError:
+        logger.warning(f"{folder}: xxhash is not installed: no {MANIFEST_NAME} written (pip install xxhash)")
+        return
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_NAME)
+    files = {
+        name: {"bytes": (folder / name).stat().st_size, CHECKSUM: _xxh3_128(folder / name, xxhash)} for name in names
+    }
+    manifest = {"kind": "hf_export", "checksum": CHECKSUM, "files": files}
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
 def verify_manifest(folder: Path) -> bool:
     """Check the files manifest.json lists (size, then xxh3-128); True when all were checksummed."""
     path = folder / MANIFEST_NAME
@@ -497,7 +540,7 @@ def verify_manifest(folder: Path) -> bool:
                 f"{file}: missing or not the size {MANIFEST_NAME} records (truncated or corrupt); "
                 "verify_checksums=False loads it anyway"
             )
-        if xxhash is not None and _xxh3_128(file, xxhash) != entry["xxh3_128"]:
+        if xxhash is not None and _xxh3_128(file, xxhash) != entry[CHECKSUM]:
             raise ValueError(
                 f"{file}: checksum mismatch with {MANIFEST_NAME} (corrupt file); verify_checksums=False loads it anyway"
             )
