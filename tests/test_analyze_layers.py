@@ -23,7 +23,7 @@ from titan_recur.convert.layer_analysis import (
     static_plan,
 )
 from titan_recur.convert.surgery import read_source
-from titan_recur.eval.__main__ import main as eval_main
+from titan_recur.cli.eval import main as eval_main
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets"

@@ -31,9 +31,20 @@ LAYER = {
 DATA_FOLDERS = {"train_configs", "tasks"}  # shipped files, no code
 
 
+# A package's ``python -m`` shim (eval/__main__.py): an entry point, like train.py, on top of every layer.
+ENTRY_SHIM = "__main__"
+
+
 def group(module: str) -> str:
-    """titan_recur.storage.model_io -> storage; titan_recur.config -> config; titan_recur -> __init__."""
+    """titan_recur.storage.model_io -> storage; titan_recur.config -> config; titan_recur -> __init__;
+    titan_recur.eval.__main__ -> __main__."""
+    if module.endswith("." + ENTRY_SHIM):
+        return ENTRY_SHIM
     return module.split(".")[1] if module.count(".") else "__init__"
+
+
+def layer(group_name: str) -> int:
+    return max(LAYER.values()) if group_name == ENTRY_SHIM else LAYER[group_name]
 
 
 def titan_recur_imports(path: Path) -> list[tuple[int, str]]:
@@ -64,7 +75,7 @@ def upward_imports(path: Path) -> list[str]:
     return [
         f"{path.relative_to(REPO)}:{line} ({me}) imports {module} ({group(module)})"
         for line, module in titan_recur_imports(path)
-        if group(module) not in (me, "__init__") and LAYER[group(module)] >= LAYER[me]
+        if group(module) not in (me, "__init__") and layer(group(module)) >= layer(me)
     ]
 
 
@@ -78,6 +89,27 @@ def test_every_folder_has_a_layer():
 def test_imports_point_down(path: Path):
     bad = upward_imports(path)
     assert not bad, bad
+
+
+def test_no_module_imports_a_main_and_only_commands_parse_arguments():
+    """A ``__main__`` is an entry shim, never a library (eval/comparison.py imported the eval command's
+    task folder from one); argparse belongs to the commands in cli/, which share cli/kit.py."""
+    mains = [
+        f"{path.relative_to(REPO)}:{line} imports {module}"
+        for path in [*library_modules(), *sorted((REPO / "tools").glob("*.py"))]
+        for line, module in titan_recur_imports(path)
+        if module.endswith("." + ENTRY_SHIM)
+    ]
+    assert not mains, mains
+    argparse_users = [
+        str(path.relative_to(REPO))
+        for path in library_modules()
+        if path.parent.name != "cli"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names))
+        or (isinstance(node, ast.ImportFrom) and node.module == "argparse")
+    ]
+    assert not argparse_users, argparse_users
 
 
 # Tools that exist to run the Trainer itself (not to borrow helpers from it).

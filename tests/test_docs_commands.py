@@ -33,7 +33,7 @@ SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scrip
 MODULES = {
     "titan_recur.train": "titan_recur.training.trainer",
     "titan_recur.generate": "titan_recur.cli.generate",
-    "titan_recur.eval": "titan_recur.eval.__main__",
+    "titan_recur.eval": "titan_recur.cli.eval",
 }
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 # The start of a command this project ships (inline spans and unlabelled blocks hold other text too).
@@ -147,7 +147,7 @@ def resolve(argv: list[str]) -> Program | None:
 def _module(module: str, args: list[str]) -> Program:
     """The eval command's subcommands (``loss``, ``lm_eval run``) select the --help its flags are in."""
     program = Program("module", module, args)
-    if module == "titan_recur.eval.__main__":
+    if module == "titan_recur.cli.eval":
         words = []
         while args and re.fullmatch(r"[a-z_]+", args[0]) and len(words) < 2:
             words, args = [*words, args[0]], args[1:]

@@ -16,14 +16,15 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 from titan_recur.cli.analyze_layers import main as analyze_main
 from titan_recur.cli.compare import main as compare_main
+from titan_recur.cli.eval import main as eval_main
 from titan_recur.cli.generate import main as generate_main
 from titan_recur.cli.prepare_data import _encoded_chunks
 from titan_recur.cli.prepare_data import main as prepare_main
-from titan_recur.eval.__main__ import main as eval_main
 from titan_recur.storage.manifest import MANIFEST_NAME
 from titan_recur.storage.model_io import UnverifiedFolderError, load_model
 from titan_recur.utils.limits import MAX_RECURRENCE, available_memory, check_allocation
@@ -829,3 +830,27 @@ def test_eval_loss_refuses_data_ranks_out_of_bounds(tmp_path, capsys, ranks, wor
     code = eval_main(loss_args(tmp_path, "--data-ranks", ranks))
     one_error_line(capsys, code, "--data-ranks", words)
     assert not (tmp_path / "loss").exists()
+
+
+def test_every_command_answers_a_bad_flag_in_one_line():
+    """Every console script and `python -m` entry point: an unknown flag is one line on stderr, exit 2 (half
+    the commands printed argparse's usage block before cli/kit.py's OneLineParser)."""
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    entries = {name: target.split(":") for name, target in scripts.items()}
+    runner = "import sys; from {0} import {1} as main; sys.argv = [{2!r}, '--no-such-flag']; sys.exit(main())"
+    commands = {
+        name: [sys.executable, "-c", runner.format(module, function, name)]
+        for name, (module, function) in entries.items()
+    }
+    commands |= {
+        f"-m {m}": [sys.executable, "-m", m, "--no-such-flag"]
+        for m in ("titan_recur.train", "titan_recur.generate", "titan_recur.eval")
+    }
+    procs = {
+        name: subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, argv in commands.items()
+    }
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        lines = err.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and "error" in lines[0], (name, proc.returncode, err[-2000:])

@@ -23,7 +23,7 @@ from titan_recur.utils.resources import find_config, project_folder
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = {
     "titan-recur-train": "titan_recur.training.trainer:main",
-    "titan-recur-eval": "titan_recur.eval.__main__:main",
+    "titan-recur-eval": "titan_recur.cli.eval:main",
     "titan-recur-convert": "titan_recur.cli.convert:main",
     "titan-recur-export": "titan_recur.cli.export:main",
     "titan-recur-flops": "titan_recur.cli.flops:main",

@@ -624,7 +624,7 @@ def test_conversion_of_a_damaged_source_is_one_line(tiny_hf_checkpoint, tmp_path
 
 
 def test_flops_and_eval_bound_their_inputs(runs, tmp_path, capsys):
-    from titan_recur.eval.__main__ import main as eval_main
+    from titan_recur.cli.eval import main as eval_main
 
     flops_tool = load_tool("flops")
 

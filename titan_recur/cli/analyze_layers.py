@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from titan_recur.cli.kit import OneLineParser, int_list
 from titan_recur.config import DATA_FORMATS
 from titan_recur.convert.layer_analysis import (
     ANGULAR_PLOT,
@@ -61,15 +62,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 
-def parse_ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="analyze_layers.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("source", help="local HF folder (config.json + safetensors) or a hub id (owner/name)")
@@ -102,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--recurrences",
-        type=parse_ints,
+        type=int_list,
         default=list(RANDOM_RECURRENCES),
         help="test recurrences of the random-adapter losses (default 1,2,4)",
     )

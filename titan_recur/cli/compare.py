@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from titan_recur.cli.kit import OneLineParser, int_list
 from titan_recur.config import DATA_FORMATS, ConfigError
 from titan_recur.storage.checkpoint import CheckpointError
 from titan_recur.utils.limits import check_at_least, check_recurrence_bound, check_seq_len
@@ -44,25 +45,8 @@ replaced only with --force.
 """
 
 
-class Parser(argparse.ArgumentParser):
-    """Errors as one line on stderr, exit status 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def parse_ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
-    return values
-
-
-def build_parser() -> Parser:
-    p = Parser(
+def build_parser() -> OneLineParser:
+    p = OneLineParser(
         prog="compare.py",
         description=__doc__,
         epilog=EPILOG,
@@ -77,8 +61,8 @@ def build_parser() -> Parser:
     )
     p.add_argument(
         "--recurrences",
-        type=parse_ints,
-        default=parse_ints("1,2,4,8,16,32"),
+        type=int_list,
+        default=int_list("1,2,4,8,16,32"),
         help="test recurrences (default 1,2,4,8,16,32)",
     )
     p.add_argument("--checkpoints", action="store_true", help="also evaluate every complete checkpoint")

@@ -30,6 +30,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from titan_recur.cli.kit import OneLineParser
 from titan_recur.convert.surgery import (
     DTYPES,
     ConversionError,
@@ -47,7 +48,7 @@ from titan_recur.models.args import ADAPTER_INITS, STATE_INITS
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="convert_hf.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("source", help="local HF folder (config.json + safetensors) or a hub id (owner/name)")

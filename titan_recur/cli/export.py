@@ -25,6 +25,7 @@ import json
 import sys
 from pathlib import Path
 
+from titan_recur.cli.kit import OneLineParser
 from titan_recur.eval.loading import (
     DTYPES,
     checkpoint_model_args,
@@ -46,7 +47,7 @@ from titan_recur.storage.checkpoint import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="export_hf.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
+from titan_recur.cli.kit import OneLineParser
 from titan_recur.config import ConfigError, Recurrence, Training, load_config
 from titan_recur.models.args import PRESETS, ModelArgs
 from titan_recur.storage.model_io import read_model_args
@@ -94,13 +95,6 @@ only (norms and elementwise ops excluded) and attention over the full T x T squa
 MAX_STEPS = 1_000_000
 
 
-class Parser(argparse.ArgumentParser):
-    """Errors as one line on stderr, exit status 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 @dataclass
 class Setup:
     """A model and how it is trained: everything the FLOP counts need."""
@@ -125,8 +119,8 @@ class Setup:
         return max(mean - depth, 0), min(mean, depth)
 
 
-def build_parser() -> Parser:
-    p = Parser(
+def build_parser() -> OneLineParser:
+    p = OneLineParser(
         prog="flops.py",
         description=__doc__,
         allow_abbrev=False,

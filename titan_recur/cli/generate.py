@@ -23,13 +23,13 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
+from titan_recur.cli.kit import OneLineParser, add_checkpoint_arguments
 from titan_recur.data.tokenizer import Tokenizer
 from titan_recur.eval.loading import (
-    add_checkpoint_arguments,
     checkpoint_model_args,
     checkpoint_tokenizer,
     load_checkpoint,
@@ -45,13 +45,6 @@ from titan_recur.training.cost_model import param_counts
 from titan_recur.utils.limits import check_allocation, check_at_least, check_recurrence_bound, kv_cache_bytes
 
 PROG = "python -m titan_recur.generate"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line (no usage block), exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

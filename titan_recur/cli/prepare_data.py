@@ -43,13 +43,13 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import NoReturn
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from titan_recur.cli.kit import OneLineParser
 from titan_recur.config import DATA_FORMATS, DataSource
 from titan_recur.data.loader import (
     LABELS_COLUMN,
@@ -262,15 +262,10 @@ def prepare(args: argparse.Namespace) -> None:
     )
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line (no usage block), exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = Parser(prog="prepare_data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(
+        prog="prepare_data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokenizer", required=True, help="Folder with tokenizer.json or tokenizer.model.")
     parser.add_argument("--path", required=True, help="Local file or glob, or a hub dataset id (--kind hf).")
     parser.add_argument("--kind", choices=["text", "jsonl", "parquet", "hf"], default="jsonl", help="Source format.")

@@ -185,8 +185,7 @@ def task_manager(settings: EvalSettings):
     """
     from lm_eval.tasks import TaskManager
 
-    from titan_recur.eval.__main__ import PROJECT_TASKS
-    from titan_recur.eval.harness import is_task_file, task_folders
+    from titan_recur.eval.harness import PROJECT_TASKS, is_task_file, task_folders
 
     files_only = bool(settings.tasks) and all(is_task_file(t) for t in settings.tasks)
     return TaskManager(

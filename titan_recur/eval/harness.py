@@ -17,10 +17,13 @@ from lm_eval.utils import handle_non_serializable
 from titan_recur.eval.lm_eval_model import TitanRecurLM
 from titan_recur.training.validation import check_recurrences
 from titan_recur.utils.plots import figure_vs_r, pyplot, save_figure
+from titan_recur.utils.resources import project_folder
 
 TABLE_JSON, TABLE_MD = "table.json", "table.md"
 ACCURACY_PNG, CURVE_PNG = "accuracy_vs_r.png", "compute_curve.png"
 # The table's metric name of the mean core iterations per generated token (r for tasks that only score).
+# The project's task configs (tasks/ of the checkout, or shipped in the wheel), always on the include path.
+PROJECT_TASKS = project_folder("tasks")
 ITERATIONS = "mean_iterations"
 
 

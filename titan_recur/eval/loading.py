@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -96,18 +95,3 @@ def checkpoint_tokenizer(
     if given is not None:
         check_same_tokenizer(tokenizer, given, own, flag)
     return tokenizer
-
-
-def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    """--checkpoint, --model-config, --tokenizer, --unverified: what ``load_checkpoint`` and ``default_tokenizer_folder`` take."""
-    parser.add_argument(
-        "--checkpoint", required=True, help="model folder (config.json + model.safetensors) or DCP step folder"
-    )
-    parser.add_argument("--model-config", help="model folder giving the architecture of a DCP step folder")
-    parser.add_argument("--tokenizer", help="folder with the tokenizer files (default: the model folder)")
-    parser.add_argument(
-        "--unverified",
-        action="store_true",
-        help="load a model folder that has no manifest.json, its files unchecked (titan_recur "
-        "seals every folder it writes; a missing manifest means it was deleted or hand-made)",
-    )

@@ -66,6 +66,7 @@ from titan_recur.training.profiling import PhaseTimer, StepProfiler
 from titan_recur.training.recurrence import RecurrenceSchedule
 from titan_recur.training.validation import Validator
 from titan_recur.training.watchdog import EXIT_STALLED, StepWatchdog, heartbeat_store
+from titan_recur.utils.limits import check_seq_len
 
 # Exit codes (docs/checkpointing.md). After SIGTERM/SIGUSR1 with the checkpoint written: Slurm scripts
 # requeue on it.
@@ -159,7 +160,7 @@ class Trainer:
         self.dump = Path(cfg.job.dump_folder)
         check_output_folders(self.dump, cfg)
         self.model_args = resolve_model_args(cfg.model)
-        check_seq_len(cfg.training.seq_len, self.model_args)
+        check_seq_len(cfg.training.seq_len, self.model_args.max_seq_len, flag="training.seq_len")
         self.tokenizer = self._load_tokenizer()
         self.dp_world = self.dist.world_size
         dp_mesh_shape(self.dp_world, cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
@@ -658,11 +659,6 @@ def check_output_folders(dump: Path, cfg: JobConfig) -> None:
     for path in (dump, dump / cfg.checkpoint.folder):
         if path.exists() and not path.is_dir():
             raise ConfigError(f"{path} exists and is not a folder (job.dump_folder, checkpoint.folder)")
-
-
-def check_seq_len(seq_len: int, args: ModelArgs) -> None:
-    if seq_len > args.max_seq_len:
-        raise ConfigError(f"training.seq_len {seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
 
 
 # Bad input found before training (exit 2); FileNotFoundError before its parent OSError (exit 1).

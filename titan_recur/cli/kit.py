@@ -1,0 +1,60 @@
+"""What every command's argument parsing shares: errors as one line, list arguments, --force, the model
+arguments that ``eval.loading.load_checkpoint`` takes."""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr (no usage block), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def int_list(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]; bounds are each command's (e.g. ``check_recurrence_bound``)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return values
+
+
+def float_list(text: str) -> list[float]:
+    """'1e-2,1e-3' -> [0.01, 0.001]."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    return values
+
+
+def add_force(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help=f"replace {what} of an earlier run of this command (never a file of another kind)",
+    )
+
+
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """--checkpoint, --model-config, --tokenizer, --unverified: what ``load_checkpoint`` and
+    ``default_tokenizer_folder`` take."""
+    parser.add_argument(
+        "--checkpoint", required=True, help="model folder (config.json + model.safetensors) or DCP step folder"
+    )
+    parser.add_argument("--model-config", help="model folder giving the architecture of a DCP step folder")
+    parser.add_argument("--tokenizer", help="folder with the tokenizer files (default: the model folder)")
+    parser.add_argument(
+        "--unverified",
+        action="store_true",
+        help="load a model folder that has no manifest.json, its files unchecked (titan_recur "
+        "seals every folder it writes; a missing manifest means it was deleted or hand-made)",
+    )
