@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.torchrun_util import load_tool
+from titan_recur.cli.eval import main as eval_main
 from titan_recur.convert.layer_analysis import (
     InMemoryWeights,
     build_model,
@@ -23,7 +24,6 @@ from titan_recur.convert.layer_analysis import (
     static_plan,
 )
 from titan_recur.convert.surgery import read_source
-from titan_recur.cli.eval import main as eval_main
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets"

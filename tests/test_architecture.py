@@ -112,6 +112,37 @@ def test_no_module_imports_a_main_and_only_commands_parse_arguments():
     assert not argparse_users, argparse_users
 
 
+def import_cycles() -> list[list[str]]:
+    """Cycles of the package's module import graph, typing-only imports included (package __init__
+    re-exports left out: they import downwards by design)."""
+    modules = {module_name(p): p for p in library_modules() if p.name != "__init__.py"}
+    graph = {
+        name: sorted({m for _, m in titan_recur_imports(path) if m in modules and m != name})
+        for name, path in modules.items()
+    }
+    cycles, state = [], {}
+
+    def visit(name: str, stack: list[str]) -> None:
+        state[name] = "open"
+        for nxt in graph[name]:
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt) :] + [name, nxt] if nxt in stack else [name, nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, name])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    return cycles
+
+
+def test_no_import_cycles_even_for_typing():
+    """models/ had blocks <-> cache <-> model, typing only: KVCache.for_model named RecurrentLM and the
+    attention context the cache (now RecurrentLM.new_cache and cache.BlockSlot)."""
+    assert import_cycles() == []
+
+
 # Tools that exist to run the Trainer itself (not to borrow helpers from it).
 RUNS_THE_TRAINER = {"bench_step.py"}
 

@@ -13,9 +13,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan_recur import load_model
+from titan_recur.cli.eval import main as eval_main
 from titan_recur.convert.surgery import ConvertOptions, convert, plan_layers
 from titan_recur.eval import mean_losses, validation_loss_sums
-from titan_recur.cli.eval import main as eval_main
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.storage.checkpoint import ModelState
 

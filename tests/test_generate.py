@@ -400,7 +400,7 @@ def test_warm_start_continues_from_the_previous_tokens_state(model: RecurrentLM)
     )
     finals, expected = [], []
     hook = model.core.register_forward_hook(lambda module, args, output: finals.append(output[:, -1:]))
-    cache = KVCache.for_model(model, 2, 9, num_steps=r)
+    cache = model.new_cache(2, 9, num_steps=r)
     original = model.core.initial_state
     try:
         with torch.no_grad():

@@ -21,7 +21,6 @@ from tests.tiny_models import tiny_model
 from titan_recur.inference.engine import greedy_generate
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.blocks import AttentionContext, TransformerBlock
-from titan_recur.models.cache import KVCache
 from titan_recur.models.families import BLOCK_TYPES, FAMILIES
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.models.model import Decoding, RecurrentLM, resolve_num_steps
@@ -333,7 +332,7 @@ def test_incremental_decoding_matches_full_forward(block_type):
     prefill = 4
     with torch.no_grad():
         full = model(seq, r, state_init="zero")
-        cache = KVCache.for_model(model, 2, prefill, num_steps=r)  # too small: it grows as decoding goes
+        cache = model.new_cache(2, prefill, num_steps=r)  # too small: it grows as decoding goes
         out = model(seq[:, :prefill], r, state_init="zero", decoding=Decoding(cache=cache))
         torch.testing.assert_close(out, full[:, :prefill], atol=TOL, rtol=0)
         for t in range(prefill, seq.shape[1]):

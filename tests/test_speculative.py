@@ -91,9 +91,8 @@ def test_bad_knobs_are_refused_in_one_line(model, options, message):
 
 def test_crop_rolls_the_cache_back(model):
     """Decoding after a crop equals decoding that never wrote the cropped columns."""
-    from titan_recur.models.cache import KVCache
 
-    cache = KVCache.for_model(model, 1, 32, num_steps=4)
+    cache = model.new_cache(1, 32, num_steps=4)
     cache.length = 10
     cache.crop(7)
     assert cache.length == 7

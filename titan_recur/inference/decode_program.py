@@ -28,21 +28,19 @@ import types
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 from weakref import WeakKeyDictionary
 
 import torch
 
 from titan_recur.inference.exit_criteria import ExitCriterion
+from titan_recur.inference.options import GenerationOptions
 from titan_recur.inference.sampling import choose_tokens
 from titan_recur.models.args import WARM_START
 from titan_recur.models.blocks import AttentionContext
 from titan_recur.models.cache import KVCache
 from titan_recur.models.model import RecurrentCore, RecurrentLM, iteration_contexts
 from titan_recur.models.rope import rope_cos_sin
-
-if TYPE_CHECKING:  # the engine builds on this module: typing-only, no cycle at run time
-    from titan_recur.inference.engine import GenerationOptions
 
 LOG = logging.getLogger(__name__)
 # Batch rows a program is built for: a batch is padded up to the next bucket with rows nobody reads.
@@ -128,7 +126,7 @@ class DecodeProgram:
         device, dtype = weight.device, weight.dtype
         self.num_steps = cast(int, opts.num_steps)  # resolved
         if cache is None:
-            cache = KVCache.for_model(model, rows, capacity, self.num_steps, opts.kv_sharing)
+            cache = model.new_cache(rows, capacity, self.num_steps, opts.kv_sharing)
         self.cache = cache
         zeros = functools.partial(torch.zeros, device=device)
         self.token = zeros(rows, width, dtype=torch.long)  # the tokens the next forward reads
@@ -497,7 +495,7 @@ def speculative_programs_for(
 
     def build(rows: int, capacity: int) -> SpeculativePrograms:
         draft_opts = dataclasses.replace(opts, num_steps=opts.draft_steps, eos_id=None)  # drafts go on past an EOS
-        cache = KVCache.for_model(model, rows, capacity, cast(int, opts.num_steps), opts.kv_sharing)
+        cache = model.new_cache(rows, capacity, cast(int, opts.num_steps), opts.kv_sharing)
         draft = DecodeProgram(model, draft_opts, rows, capacity, cache=cache)
         return SpeculativePrograms(draft, VerifyProgram(model, opts, draft))
 

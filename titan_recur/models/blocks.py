@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from titan_recur.models.args import ModelArgs
+from titan_recur.models.cache import BlockSlot, IterationView, KVCache
 from titan_recur.models.families import family_named
 from titan_recur.models.rope import apply_rope
-
-if TYPE_CHECKING:  # the cache module builds on this one: a typing-only import, no cycle at run time
-    from titan_recur.models.cache import IterationView, KVCache
 
 
 class RMSNorm(nn.Module):
@@ -39,11 +37,6 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
-
-
-# Where a block sits: ("prelude" | "core" | "coda", index in its stack). A KV cache keys its slots by it
-# (and, for core blocks, by the iteration), so blocks never see cache layout.
-BlockSlot = tuple[str, int]
 
 
 @dataclass
@@ -65,7 +58,7 @@ class AttentionContext:
         if self.cache is None:
             return self
         # The forward's context holds the KVCache itself; only the contexts made here hold views.
-        return dataclasses.replace(self, cache=cast("KVCache", self.cache).iteration_view(iteration))
+        return dataclasses.replace(self, cache=cast(KVCache, self.cache).iteration_view(iteration))
 
 
 class Attention(nn.Module):

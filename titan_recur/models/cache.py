@@ -30,17 +30,15 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from titan_recur.models.args import ModelArgs
-from titan_recur.models.blocks import BlockSlot
 
-if TYPE_CHECKING:  # the model module builds on this one: a typing-only import, no cycle at run time
-    from titan_recur.models.model import RecurrentLM
-
+# Where a block sits: ("prelude" | "core" | "coda", index in its stack). The cache keys its slots by it
+# (and, for core blocks, by the iteration), so blocks never see cache layout.
+BlockSlot = tuple[str, int]
 _COMPRESS = re.compile(r"compress-([1-9][0-9]*)")
 
 
@@ -103,24 +101,30 @@ class KVCache:
                 )
 
     @classmethod
-    def for_model(
-        cls, model: RecurrentLM, batch_size: int, capacity: int, num_steps: int, kv_sharing: str = "full"
+    def for_args(
+        cls,
+        args: ModelArgs,
+        batch_size: int,
+        capacity: int,
+        num_steps: int,
+        kv_sharing: str = "full",
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> KVCache:
-        """A cache for ``model``, in its parameters' dtype and device."""
-        a = model.args
-        weight = model.embed_tokens.weight
+        """A cache for a model of ``args`` (``RecurrentLM.new_cache``: in its parameters' dtype and device)."""
         return cls(
             batch_size=batch_size,
             capacity=capacity,
-            n_prelude=a.n_prelude,
-            n_core=a.n_core,
-            n_coda=a.n_coda,
-            n_kv_heads=a.n_kv_heads,
-            head_dim=a.head_dim,
+            n_prelude=args.n_prelude,
+            n_core=args.n_core,
+            n_coda=args.n_coda,
+            n_kv_heads=args.n_kv_heads,
+            head_dim=args.head_dim,
             num_steps=num_steps,
             kv_sharing=kv_sharing,
-            dtype=weight.dtype,
-            device=weight.device,
+            dtype=dtype,
+            device=device,
         )
 
     @staticmethod

@@ -364,6 +364,13 @@ class RecurrentLM(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
 
+    def new_cache(self, batch_size: int, capacity: int, num_steps: int, kv_sharing: str = "full") -> KVCache:
+        """An empty KV cache for this model, in its parameters' dtype and on their device."""
+        weight = self.embed_tokens.weight
+        return KVCache.for_args(
+            self.args, batch_size, capacity, num_steps, kv_sharing, dtype=weight.dtype, device=weight.device
+        )
+
     def resolve_state_init(self, state_init: str | None) -> str:
         if state_init is not None:
             return state_init
