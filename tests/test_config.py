@@ -491,3 +491,38 @@ def test_cli_sets_data_from_nothing_and_nested_phases():
 )
 def test_cli_array_field_errors(override, expected):
     assert error(load_config, None, MODEL + override).startswith(expected)
+
+
+def test_choice_lists_are_derived_from_the_config_types():
+    """The modes a command or a component accepts are the config's Literal types, written once."""
+    from typing import get_args
+
+    from titan_recur.cli import eval as eval_cli
+    from titan_recur.cli import flops, prepare_data
+    from titan_recur.config import (
+        DECAY_TYPES,
+        MIXED_PRECISION_MODES,
+        SAMPLE_BY,
+        TEXT_SOURCE_KINDS,
+        DataSource,
+        LRScheduler,
+        Training,
+        _hints,
+    )
+    from titan_recur.models.args import CURRICULUM_KINDS
+    from titan_recur.training import parallelize
+
+    def choices(parser, flag: str) -> tuple:
+        actions = [a for a in parser._actions if flag in a.option_strings]
+        for sub in (a for a in parser._actions if a.choices and isinstance(a.choices, dict)):
+            actions += [b for p in sub.choices.values() for b in p._actions if flag in b.option_strings]
+        return tuple(actions[0].choices)
+
+    assert choices(prepare_data.build_parser(), "--kind") == TEXT_SOURCE_KINDS
+    assert choices(prepare_data.build_parser(), "--sample-by") == SAMPLE_BY == get_args(_hints(DataSource)["sample_by"])
+    assert choices(eval_cli.build_parser(), "--kind") == TEXT_SOURCE_KINDS
+    assert set(TEXT_SOURCE_KINDS) == set(get_args(_hints(DataSource)["kind"])) - {"tokenized"}
+    assert choices(flops.build_parser(), "--curriculum") == CURRICULUM_KINDS
+    assert MIXED_PRECISION_MODES == get_args(_hints(Training)["mixed_precision_mode"])
+    assert parallelize.MIXED_PRECISION_MODES is MIXED_PRECISION_MODES
+    assert DECAY_TYPES == get_args(_hints(LRScheduler)["decay_type"])

@@ -26,7 +26,14 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
-from titan_recur.models.args import DEFAULT_BACKPROP_DEPTH, DEFAULT_SEED, DEFAULT_SIGMA, PRESETS
+from titan_recur.models.args import (
+    DEFAULT_BACKPROP_DEPTH,
+    DEFAULT_SEED,
+    DEFAULT_SIGMA,
+    PRESETS,
+    BackpropCurriculum,
+    MeanCurriculum,
+)
 from titan_recur.utils.limits import MAX_RECURRENCE
 from titan_recur.utils.resources import find_config
 
@@ -38,8 +45,22 @@ AllowedChange = Literal["steps", "seq_len", "global_batch_size", "recurrence", "
 ALLOWED_CHANGES: tuple[str, ...] = get_args(AllowedChange)
 # How a data source's records become tokens and labels (titan_recur.data.loader; docs/data.md).
 DataFormat = Literal["text", "prompt_completion"]
-NSDtype = Literal["auto", "bfloat16", "float32"]
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
+NSDtype = Literal["auto", "bfloat16", "float32"]
+# What a data source is: text files, records (jsonl, parquet, a hub dataset) or token ids (tokenized).
+SourceKind = Literal["text", "jsonl", "parquet", "hf", "tokenized"]
+SOURCE_KINDS: tuple[str, ...] = get_args(SourceKind)
+TEXT_SOURCE_KINDS = tuple(k for k in SOURCE_KINDS if k != "tokenized")  # what a tokenizer reads
+RECORD_SOURCE_KINDS = tuple(k for k in TEXT_SOURCE_KINDS if k != "text")  # sources with named fields
+# How a text file splits into documents.
+SampleBy = Literal["paragraph", "document", "line"]
+SAMPLE_BY: tuple[str, ...] = get_args(SampleBy)
+# How mixed precision applies (titan_recur.training.parallelize).
+MixedPrecisionMode = Literal["fsdp", "autocast"]
+MIXED_PRECISION_MODES: tuple[str, ...] = get_args(MixedPrecisionMode)
+# The learning rate's decay (titan_recur.training.optim).
+DecayType = Literal["cosine", "linear"]
+DECAY_TYPES: tuple[str, ...] = get_args(DecayType)
 
 _CLI = "command line"
 # The run's model export at the end of training, under job.dump_folder.
@@ -124,7 +145,7 @@ class Training:
         "bfloat16", "Parameter dtype for FSDP compute; ignored on CPU, which always uses float32."
     )
     mixed_precision_reduce: Literal["float32", "bfloat16"] = opt("float32", "Gradient reduce-scatter dtype.")
-    mixed_precision_mode: Literal["fsdp", "autocast"] = opt(
+    mixed_precision_mode: MixedPrecisionMode = opt(
         "fsdp",
         "How mixed_precision_param applies. 'fsdp': FSDP2 casts the parameters, so the whole residual stream "
         "runs in it (skipped on CPU). 'autocast': fp32 parameters and torch.autocast(mixed_precision_param) "
@@ -168,7 +189,7 @@ class Recurrence:
 
     mean_recurrence: int = opt(32, "R_max: the target mean iteration count the curriculum reaches.")
     backprop_depth: int = opt(DEFAULT_BACKPROP_DEPTH, "Number of final core iterations that carry gradients.")
-    curriculum: Literal["1-sqrt", "linear", "none"] = opt(
+    curriculum: MeanCurriculum = opt(
         "1-sqrt", "Shape of the ramp of the mean recurrence from start to mean_recurrence."
     )
     warmup_fraction: float = opt(0.75, "Fraction of training steps over which the mean recurrence ramps up.")
@@ -177,7 +198,7 @@ class Recurrence:
     seed: int = opt(DEFAULT_SEED, "Seed of the iteration-count sampler (identical on every rank).")
     mean_offset: bool = opt(True, "Offset the sampler so that E[n + k] = r + 1, as the reference does.")
     backprop_curriculum: bool = opt(False, "Ramp backprop_depth up from backprop_start too.")
-    backprop_curriculum_kind: Literal["interpolate", "linear"] = opt(
+    backprop_curriculum_kind: BackpropCurriculum = opt(
         "interpolate",
         "Backprop-depth ramp, read at update u (1-based) over W = backprop_warmup_fraction * steps: "
         "'interpolate' = ceil(start + (backprop_depth - start) u / W), the reference's (from 2 at u = 1 "
@@ -221,7 +242,7 @@ class LRScheduler:
 
     warmup_fraction: float = opt(0.005, "Fraction of steps of linear warmup.")
     decay_fraction: float = opt(0.75, "Fraction of steps at the end that decay the learning rate.")
-    decay_type: Literal["cosine", "linear"] = opt("cosine", "Shape of the decay.")
+    decay_type: DecayType = opt("cosine", "Shape of the decay.")
     min_lr_factor: float = opt(0.001, "Warmup starts at and decay ends at min_lr_factor * lr.")
 
 
@@ -273,7 +294,7 @@ class DataSource:
 
     name: str = opt("", "Label for logs.")
     path: str = opt("", "Local file or glob, or a Hugging Face hub dataset id.")
-    kind: Literal["text", "jsonl", "parquet", "hf", "tokenized"] = opt("text", "Format of the source.")
+    kind: SourceKind = opt("text", "Format of the source.")
     text_field: str = opt("text", "Column or key holding the text.")
     hf_config: str | None = opt(None, "Hugging Face dataset config name.")
     revision: str | None = opt(None, "kind 'hf' only: the dataset's git revision (branch, tag or commit); none = main.")
@@ -290,7 +311,7 @@ class DataSource:
     )
     prompt_field: str = opt("prompt", "format 'prompt_completion': the field holding the prompt (no loss).")
     completion_field: str = opt("completion", "format 'prompt_completion': the field holding the completion.")
-    sample_by: Literal["paragraph", "document", "line"] = opt(
+    sample_by: SampleBy = opt(
         "paragraph",
         "kind 'text' only: one document per blank-line-separated paragraph, per file, or per line.",
     )
@@ -863,7 +884,7 @@ def _validate_data(d: Data) -> None:
         _require(s.weight > 0, f"{where} weight must be > 0, got {s.weight}")
         _require(s.shuffle_buffer >= 0, f"{where} shuffle_buffer must be >= 0, got {s.shuffle_buffer}")
         _require(
-            s.format == "text" or s.kind in ("jsonl", "parquet", "hf"),
+            s.format == "text" or s.kind in RECORD_SOURCE_KINDS,
             f"{where} format 'prompt_completion' needs records with fields: kind jsonl, parquet or hf, not {s.kind!r}",
         )
         _require(

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from titan_recur.cli.kit import OneLineParser, add_checkpoint_arguments, add_force, float_list, int_list
 from titan_recur.config import DATA_FORMATS as FORMATS
+from titan_recur.config import TEXT_SOURCE_KINDS
 from titan_recur.models.args import STATE_INITS
 from titan_recur.storage.checkpoint import CheckpointError
 from titan_recur.storage.model_io import check_output_files
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     heldout.add_argument(
         "--kind",
         default=None,
-        choices=["text", "jsonl", "parquet", "hf"],
+        choices=TEXT_SOURCE_KINDS,
         help="format of --data (default: from the file suffix)",
     )
     heldout.add_argument("--hf-config", help="hub dataset config of --data")

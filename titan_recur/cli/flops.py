@@ -15,7 +15,7 @@ from typing import Any, cast
 
 from titan_recur.cli.kit import OneLineParser
 from titan_recur.config import ConfigError, Recurrence, Training, load_config
-from titan_recur.models.args import PRESETS, ModelArgs
+from titan_recur.models.args import CURRICULUM_KINDS, PRESETS, ModelArgs
 from titan_recur.storage.model_io import read_model_args
 from titan_recur.training.cost_model import (
     AC_MODES,
@@ -27,7 +27,7 @@ from titan_recur.training.cost_model import (
     param_counts,
     training_flops_per_token,
 )
-from titan_recur.training.recurrence import CURRICULUM_KINDS, Curriculum, RecurrenceSchedule
+from titan_recur.training.recurrence import Curriculum, RecurrenceSchedule
 
 # Flags that describe the run, and the config keys that take their place under --config.
 SCHEDULE_FLAGS = {

@@ -50,7 +50,7 @@ import pyarrow.parquet as pq
 import torch
 
 from titan_recur.cli.kit import OneLineParser
-from titan_recur.config import DATA_FORMATS, DataSource
+from titan_recur.config import DATA_FORMATS, SAMPLE_BY, TEXT_SOURCE_KINDS, DataSource
 from titan_recur.data.loader import (
     LABELS_COLUMN,
     TOKENS_COLUMN,
@@ -262,13 +262,13 @@ def prepare(args: argparse.Namespace) -> None:
     )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> OneLineParser:
     parser = OneLineParser(
         prog="prepare_data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tokenizer", required=True, help="Folder with tokenizer.json or tokenizer.model.")
     parser.add_argument("--path", required=True, help="Local file or glob, or a hub dataset id (--kind hf).")
-    parser.add_argument("--kind", choices=["text", "jsonl", "parquet", "hf"], default="jsonl", help="Source format.")
+    parser.add_argument("--kind", choices=TEXT_SOURCE_KINDS, default="jsonl", help="Source format.")
     parser.add_argument("--text-field", default="text", help="Column or key holding the text.")
     parser.add_argument(
         "--format",
@@ -282,7 +282,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--split", default="train", help="Hub dataset split (--kind hf).")
     parser.add_argument(
         "--sample-by",
-        choices=["paragraph", "document", "line"],
+        choices=SAMPLE_BY,
         default="paragraph",
         help="--kind text: one document per blank-line-separated paragraph, per file, or per line.",
     )
@@ -305,7 +305,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--docs-per-task", type=int, default=512, help="Documents per task sent to a worker.")
     parser.add_argument("--max-docs", type=int, default=None, help="Stop after this many documents.")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from titan_recur.models.families import family_named
 
@@ -20,6 +20,11 @@ DEFAULT_SIGMA = 0.5
 # The trainer's default backprop depth (docs/method.md §3), and the grad-carrying iterations of a
 # train-mode forward given a depth r rather than (n, k): the last min(r, 8) of its r iterations.
 DEFAULT_BACKPROP_DEPTH = 8
+# The ramps of the mean recurrence and of the backprop depth over training (training/recurrence.py; the
+# config's recurrence.curriculum and backprop_curriculum_kind).
+MeanCurriculum = Literal["1-sqrt", "linear", "none"]
+BackpropCurriculum = Literal["interpolate", "linear"]
+CURRICULUM_KINDS: tuple[str, ...] = tuple(dict.fromkeys((*get_args(MeanCurriculum), *get_args(BackpropCurriculum))))
 
 
 @dataclass

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from titan_recur.config import LRScheduler, Optimizer
+from titan_recur.config import DECAY_TYPES, LRScheduler, Optimizer
 from titan_recur.models.blocks import TransformerBlock
 from titan_recur.models.model import RecurrentLM
 
@@ -389,8 +389,8 @@ def wsd_factor(
     reaches min_lr_factor at step total (after the last update); later steps keep it. If the two
     phases overlap the smaller factor wins.
     """
-    if decay_type not in ("cosine", "linear"):
-        raise ValueError(f"decay_type must be 'cosine' or 'linear', got {decay_type!r}")
+    if decay_type not in DECAY_TYPES:
+        raise ValueError(f"decay_type must be one of {DECAY_TYPES}, got {decay_type!r}")
     warmup = _fraction_steps(warmup_fraction, total_steps)
     decay = _fraction_steps(decay_fraction, total_steps)
     factor = 1.0

@@ -19,6 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from titan_recur.config import MIXED_PRECISION_MODES
 from titan_recur.models.model import RecurrentLM
 from titan_recur.training.cost_model import checkpoint_plan, dp_mesh_shape
 
@@ -98,9 +99,6 @@ def set_prefetch(model: RecurrentLM) -> None:
             unit.set_modules_to_forward_prefetch(ahead)
         if i > 0:
             unit.set_modules_to_backward_prefetch([units[i - 1]])
-
-
-MIXED_PRECISION_MODES = ("fsdp", "autocast")
 
 
 def mixed_precision_policy(

@@ -38,12 +38,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from titan_recur.models.args import DEFAULT_BACKPROP_DEPTH, DEFAULT_SEED, DEFAULT_SIGMA
+from titan_recur.models.args import CURRICULUM_KINDS, DEFAULT_BACKPROP_DEPTH, DEFAULT_SEED, DEFAULT_SIGMA
 
 if TYPE_CHECKING:
     from titan_recur.config import Recurrence
 
-CURRICULUM_KINDS = ("none", "linear", "1-sqrt", "interpolate")
 # Prime seed distance between optimizer steps; micro_step stays below it, so no two
 # (step, micro_step) pairs of a run share a generator seed.
 STEP_STRIDE = 1_000_003
