@@ -27,6 +27,7 @@ from pathlib import Path
 from titan_recur.cli.kit import OneLineParser, add_checkpoint_arguments, add_force, float_list, int_list
 from titan_recur.config import DATA_FORMATS as FORMATS
 from titan_recur.config import TEXT_SOURCE_KINDS
+from titan_recur.inference.exit_criteria import describe_criteria
 from titan_recur.models.args import STATE_INITS
 from titan_recur.storage.checkpoint import CheckpointError
 from titan_recur.storage.model_io import check_output_files
@@ -137,8 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model_args",
         required=True,
         help="titan_recur model args, e.g. pretrained=PATH,batch_size=16,max_gen_toks=256; "
-        "generation depth: kv_sharing=full|latest|compress-N, exit_criterion=kl|latent-diff|"
-        "entropy-diff|argmax, exit_threshold, min_steps, check_every (docs/generation.md)",
+        f"generation depth: kv_sharing=full|latest|compress-N, exit_criterion={describe_criteria('|')}, "
+        "exit_threshold, min_steps, check_every (docs/generation.md)",
     )
     harness.add_argument("--tasks", required=True, help="comma-separated task names, globs or YAML files")
     harness.add_argument(

@@ -37,6 +37,7 @@ from titan_recur.eval.loading import (
 )
 from titan_recur.inference import decode_program
 from titan_recur.inference.engine import GenerationOptions, check_prompts, generate, left_pad
+from titan_recur.inference.exit_criteria import describe_criteria, describe_default_thresholds
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.cache import core_slots_per_block
 from titan_recur.storage.checkpoint import CheckpointError
@@ -57,12 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-steps", type=int, help="core iterations per token, r (default: the model's mean_recurrence)"
     )
     parser.add_argument("--kv-sharing", default="full", help="full (exact), latest, or compress-N (default full)")
-    parser.add_argument("--exit", dest="exit_criterion", help="adaptive exit: kl, latent-diff, entropy-diff or argmax")
+    parser.add_argument("--exit", dest="exit_criterion", help=f"adaptive exit: {describe_criteria()}")
     parser.add_argument(
         "--exit-threshold",
         type=float,
         help="exit below this value (argmax: stable for this many "
-        "checks); default Huginn's: kl 1e-3, latent-diff 0.03, entropy-diff 1e-3, argmax 5",
+        f"checks); default Huginn's: {describe_default_thresholds()}",
     )
     parser.add_argument("--min-steps", type=int, default=1, help="iterations before a token may exit (default 1)")
     parser.add_argument("--check-every", type=int, default=1, help="check the exit criterion every J iterations")

@@ -22,6 +22,7 @@ import torch
 
 from titan_recur.convert.surgery import LayerPlan, source_tensor_names
 from titan_recur.data.tokenizer import load_tokenizer
+from titan_recur.inference.exit_criteria import describe_criteria
 from titan_recur.models.args import DEFAULT_BACKPROP_DEPTH, STATE_INITS, ModelArgs
 from titan_recur.models.families import family_named
 from titan_recur.models.model import RecurrentLM
@@ -375,7 +376,7 @@ def model_card(
             "",
             "- `num_steps`: core iterations per token (more think deeper, cost more);",
             "- `kv_sharing` (`full`, `latest`, `compress-N`): K/V slots per core block;",
-            "- `exit_criterion` (`kl`, `latent-diff`, `entropy-diff`, `argmax`), `exit_threshold`, `min_steps`:"
+            f"- `exit_criterion` ({describe_criteria(quote='`')}), `exit_threshold`, `min_steps`:"
             " per-token adaptive depth; `return_dict_in_generate=True` returns each token's iterations"
             " (`steps`);",
             '- `state_init="previous"`: warm-start each token from the previous token\'s state.',

@@ -17,6 +17,16 @@ EXIT_CRITERIA = ("kl", "latent-diff", "entropy-diff", "argmax")
 DEFAULT_EXIT_THRESHOLDS = {"kl": 1e-3, "latent-diff": 0.03, "entropy-diff": 1e-3, "argmax": 5.0}
 
 
+def describe_criteria(separator: str = ", ", quote: str = "") -> str:
+    """The criteria's names for help texts and docs, e.g. 'kl, latent-diff, entropy-diff, argmax'."""
+    return separator.join(f"{quote}{name}{quote}" for name in EXIT_CRITERIA)
+
+
+def describe_default_thresholds() -> str:
+    """'kl 0.001, latent-diff 0.03, ...': Huginn's thresholds, the defaults."""
+    return ", ".join(f"{name} {threshold:g}" for name, threshold in DEFAULT_EXIT_THRESHOLDS.items())
+
+
 class ExitCriterion:
     """Per-row exit test of adaptive depth: each check compares with the previous check (Huginn's rules).
 
