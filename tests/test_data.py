@@ -385,7 +385,7 @@ def test_token_stream_of_another_tokenizer_is_one_line_at_start_up(tmp_path, tok
         f'[model]\npath = "{REPO_ROOT / "assets" / "tiny_llama_recurrent"}"\n[training]\nsteps = 1\n'
         f'[[data.sources]]\npath = "{out / "*.parquet"}"\nkind = "tokenized"\n'
     )
-    from titan_recur.training.trainer import main
+    from titan_recur.cli.train import main
 
     capsys.readouterr()
     assert main(["--config", str(config), "--job.dump_folder", str(tmp_path / "run")]) == 2

@@ -115,10 +115,10 @@ def tiny_config(tmp_path: Path, data_path: str, steps: int, **overrides: str) ->
 
 def test_masked_loss_equals_a_hand_computation(tmp_path):
     """The loss the trainer logs at step 1 (initial weights) is the mean CE over the completion tokens and EOS."""
+    from titan_recur.cli.train import main
     from titan_recur.models.model import RecurrentLM
     from titan_recur.storage.model_io import architecture_args
     from titan_recur.training.build import initial_full_state
-    from titan_recur.training.trainer import main
 
     path = write_records(tmp_path / "qa.jsonl", RECORDS, 6)
     argv = tiny_config(tmp_path, path, steps=1)
@@ -159,7 +159,7 @@ def test_trainer_resume_on_masked_data_is_bit_identical(tmp_path):
     the same weights."""
     from safetensors.torch import load_file
 
-    from titan_recur.training.trainer import main
+    from titan_recur.cli.train import main
 
     path = write_records(tmp_path / "qa.jsonl", RECORDS, 6)
     weights = tmp_path / "run" / "final_model" / "model.safetensors"
@@ -220,7 +220,7 @@ def test_pretokenized_labels_outside_the_vocabulary_are_one_line(tmp_path):
 def test_records_without_their_fields_are_one_line(tmp_path, capsys):
     """A file without the field: one line before training (exit 2, nothing written); a record without it among
     complete ones: one line when it is read."""
-    from titan_recur.training.trainer import main
+    from titan_recur.cli.train import main
 
     path = tmp_path / "qa.jsonl"
     path.write_text(json.dumps({"prompt": "3 a ="}) + "\n")
@@ -262,7 +262,7 @@ LONG_PROMPTS = [(" ".join(["a b"] * 20) + " =", " 5")]
 def test_a_step_without_a_labelled_token_is_skipped_and_counted(tmp_path, capsys):
     """It raised ZeroDivisionError at the same step on every rerun (training, and validation on such data)."""
     from tests.test_checkpoint import read_checkpoint
-    from titan_recur.training.trainer import main
+    from titan_recur.cli.train import main
 
     path = write_records(tmp_path / "qa.jsonl", LONG_PROMPTS, 8)
     held_out = write_records(tmp_path / "held_out.jsonl", LONG_PROMPTS, 8)

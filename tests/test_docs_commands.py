@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))]
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 MODULES = {
-    "titan_recur.train": "titan_recur.training.trainer",
+    "titan_recur.train": "titan_recur.cli.train",
     "titan_recur.generate": "titan_recur.cli.generate",
     "titan_recur.eval": "titan_recur.cli.eval",
 }
@@ -215,7 +215,7 @@ def problems_of(command: Command, help_texts: dict) -> list[str]:
             trainer_args = program.target.startswith("slurm/")  # the launchers pass their arguments to the trainer
         else:
             known = help_texts[(program.kind, program.target, program.subcommand)]
-            trainer_args = program.target == "titan_recur.training.trainer"
+            trainer_args = program.target == "titan_recur.cli.train"
             if not known.strip():
                 problems.append(f"{program.target} printed no --help")
                 continue

@@ -609,7 +609,7 @@ def test_in_loop_validation_and_eval_loss_agree_on_the_same_rows(tmp_path: Path,
     With other rows (the old defaults: 8 batches of 8) the numbers differ by more than float noise:
     that, not the model, was the gap between the in-loop and the offline figure.
     """
-    from titan_recur.training.trainer import main as train_main
+    from titan_recur.cli.train import main as train_main
 
     dump = tmp_path / "run"
     assert (

@@ -324,7 +324,7 @@ def test_a_tokenizer_of_another_vocabulary_is_refused(tmp_path, capsys, monkeypa
     eval, export and train ran with it."""
     import titan_recur.eval.loading as loading
     from titan_recur.cli.export import main as export_main
-    from titan_recur.training.trainer import main as train_main
+    from titan_recur.cli.train import main as train_main
 
     other = tmp_path / "tok"
     shutil.copytree(ASSETS / "tokenizer", other)
@@ -795,7 +795,7 @@ def test_a_bad_tokenizer_folder_is_one_line_before_any_work(tmp_path, capsys, mo
     """generate, prepare_data and train printed the tokenizers or sentencepiece library's traceback."""
     import titan_recur.eval.loading as loading
     from titan_recur.cli.export import main as export_main
-    from titan_recur.training.trainer import main as train_main
+    from titan_recur.cli.train import main as train_main
 
     tokenizer = broken_tokenizer(tmp_path / "tok", kind)
     out = tmp_path / "out"

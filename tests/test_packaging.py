@@ -22,7 +22,7 @@ from titan_recur.utils.resources import find_config, project_folder
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = {
-    "titan-recur-train": "titan_recur.training.trainer:main",
+    "titan-recur-train": "titan_recur.cli.train:main",
     "titan-recur-eval": "titan_recur.cli.eval:main",
     "titan-recur-convert": "titan_recur.cli.convert:main",
     "titan-recur-export": "titan_recur.cli.export:main",

@@ -22,6 +22,7 @@ import torch
 
 from tests.tiny_models import SMALL, tiny_args
 from tests.torchrun_util import load_tool
+from titan_recur.cli.train import main
 from titan_recur.config import load_config
 from titan_recur.data import loader
 from titan_recur.models.args import PRESETS, ModelArgs
@@ -29,7 +30,6 @@ from titan_recur.models.model import RecurrentLM
 from titan_recur.storage.model_io import resolve_model_args, write_model_args
 from titan_recur.training import cost_model
 from titan_recur.training.optim import split_params_for_muon
-from titan_recur.training.trainer import main
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "train_configs"

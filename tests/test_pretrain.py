@@ -77,9 +77,9 @@ def test_from_scratch_run_equals_a_plain_pytorch_loop(tmp_path):
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from titan_recur.cli.train import main
     from titan_recur.storage.model_io import architecture_args
     from titan_recur.training.build import initial_full_state
-    from titan_recur.training.trainer import main
 
     docs = [json.loads(line)["text"] for line in (REPO / "assets" / "corpus" / "general.jsonl").open()][:20]
     data = tmp_path / "docs.jsonl"
@@ -164,7 +164,7 @@ def test_bad_architecture_is_one_line(tmp_path, overrides, expected):
 
 
 def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_training(tmp_path, capsys):
-    from titan_recur.training.trainer import main
+    from titan_recur.cli.train import main
 
     data = tmp_path / "docs.jsonl"
     data.write_text(json.dumps({"text": "hello"}) + "\n")

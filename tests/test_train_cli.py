@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.torchrun_util import DEBUG_CONFIG, REPO_ROOT, debug_run_argv, run_torchrun
+from titan_recur.cli.train import main
 from titan_recur.storage.checkpoint import scan_checkpoints
-from titan_recur.training.trainer import EXIT_INTERRUPTED, EXIT_PREEMPTED, main
+from titan_recur.training.trainer import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 METRIC_KEYS = {
     "step",

@@ -19,8 +19,8 @@ import pytest
 from wandb.proto import wandb_internal_pb2 as wandb_pb2
 
 from tests.torchrun_util import REPO_ROOT
+from titan_recur.cli.train import main
 from titan_recur.training.metrics import WANDB_ID_FILE
-from titan_recur.training.trainer import main
 
 DEBUG_CONFIG = str(REPO_ROOT / "train_configs" / "debug_model.toml")
 BLOCK, CHUNK_HEADER = 32768, 7

@@ -2,7 +2,7 @@
 
 Usage: ckpt_worker.py JOBS.json RESULTS.json. JOBS is a list of {"argv": [...], "watch": PATH,
 "copy": [SRC, DST], "truncate": PATH, "flip_byte": PATH, "fill": {"file", "leave_like", "factor"},
-"unlink": [PATH, ...], "resume_only": PATH}. Each job calls titan_recur.training.trainer.main(argv) and records its exit
+"unlink": [PATH, ...], "resume_only": PATH}. Each job calls titan_recur.cli.train.main(argv) and records its exit
 code (None if it raised), stdout and stderr. Before it, in this order: "copy" copies a folder tree;
 "unlink" removes files; "truncate" cuts that file to half its size; "flip_byte" inverts the bits
 of its middle byte; "fill" writes zeros into "file" until its file system has only "factor" times the
@@ -76,7 +76,7 @@ def prepare(job: dict) -> None:
 
 
 def run_job(job: dict) -> dict:
-    from titan_recur.training.trainer import main
+    from titan_recur.cli.train import main
 
     result: dict = {}
     prepare(job)

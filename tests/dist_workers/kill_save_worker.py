@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-import titan_recur.training.trainer as train
+import titan_recur.cli.train as train
 from titan_recur.storage.checkpoint import scan_checkpoints, verify_checkpoint
 
 # What the trainer imports lazily, once here rather than in every forked rank (deterministic mode
@@ -46,7 +46,7 @@ LAUNCH_TIMEOUT_S = 300
 
 
 class Launch:
-    """One process per rank forked from this one, each running titan_recur.training.trainer.main(argv)."""
+    """One process per rank forked from this one, each running titan_recur.cli.train.main(argv)."""
 
     def __init__(self, argv: list[str], world: int, log: Path) -> None:
         with socket.socket() as s:
