@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tests.torchrun_util import REPO_ROOT, WORKERS_DIR, load_tool, run_torchrun
 from titan_recur.config import Data, DataPhase, DataSource
-from titan_recur.data.loader import build_dataloader, check_data_config
+from titan_recur.data.loader import LoaderGeometry, build_dataloader, check_data_config
 from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 
 SEQ_LEN = 8
@@ -77,17 +77,7 @@ def loader(
     split="train",
     seq_len: int = SEQ_LEN,
 ):
-    return build_dataloader(
-        cfg,
-        tok,
-        seq_len=seq_len,
-        local_batch_size=batch,
-        rows_per_step=rows_per_step,
-        dp_rank=rank,
-        dp_world=world,
-        seed=0,
-        split=split,
-    )
+    return build_dataloader(cfg, tok, LoaderGeometry(seq_len, batch, rows_per_step, rank, world), split=split)
 
 
 def take(dl, n: int) -> list[dict[str, torch.Tensor]]:

@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from titan_recur.config import ConfigError, Data, DataSource, load_config
-from titan_recur.data.loader import DataError, build_dataloader, check_data_config
+from titan_recur.data.loader import DataError, LoaderGeometry, build_dataloader, check_data_config
 from titan_recur.data.tokenizer import load_tokenizer
 from titan_recur.models.loss import IGNORE_INDEX
 
@@ -46,16 +46,7 @@ def expected_stream(records: list[tuple[str, str]]) -> tuple[list[int], list[int
 
 
 def masked_loader(data: Data, batch: int = 2, seq_len: int = SEQ_LEN):
-    return build_dataloader(
-        data,
-        load_tokenizer(TOKENIZER),
-        seq_len=seq_len,
-        local_batch_size=batch,
-        rows_per_step=batch,
-        dp_rank=0,
-        dp_world=1,
-        seed=0,
-    )
+    return build_dataloader(data, load_tokenizer(TOKENIZER), LoaderGeometry(seq_len, batch))
 
 
 def records_source(path: str, **kwargs) -> DataSource:

@@ -12,23 +12,13 @@ import torch
 from test_data import SEQ_LEN, full_rows, make_docs, resume_config, take, tok, tok_folder, write_jsonl  # noqa: F401
 
 from titan_recur.config import ConfigError, Data, DataSource, config_from_dict, validate
-from titan_recur.data.loader import build_dataloader, open_source
+from titan_recur.data.loader import LoaderGeometry, build_dataloader, open_source
 
 DOCS, WINDOW = 40, 8
 
 
 def read_once(cfg: Data, tok, seed: int, rows_per_step: int = 2):
-    return build_dataloader(
-        cfg,
-        tok,
-        seq_len=SEQ_LEN,
-        local_batch_size=2,
-        rows_per_step=rows_per_step,
-        dp_rank=0,
-        dp_world=1,
-        seed=seed,
-        single_pass=True,
-    )
+    return build_dataloader(cfg, tok, LoaderGeometry(SEQ_LEN, 2, rows_per_step, seed=seed), single_pass=True)
 
 
 def doc_order(tok, cfg: Data, seed: int) -> list[int]:
@@ -59,9 +49,7 @@ def test_resume_mid_window_is_exact_with_shuffling(tmp_path, tok):
     ]
 
     def train_loader():
-        return build_dataloader(
-            cfg, tok, seq_len=SEQ_LEN, local_batch_size=2, rows_per_step=4, dp_rank=0, dp_world=1, seed=0
-        )
+        return build_dataloader(cfg, tok, LoaderGeometry(SEQ_LEN, 2, rows_per_step=4))
 
     reference = full_rows(take(train_loader(), 120))  # crosses epochs, windows and the phase switch
     dl = train_loader()

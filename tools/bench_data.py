@@ -23,7 +23,7 @@ from pathlib import Path
 from prepare_data import parse_args, prepare  # tools/ is on sys.path when run as a script
 
 from titan_recur.config import Data, DataSource
-from titan_recur.data.loader import build_dataloader
+from titan_recur.data.loader import LoaderGeometry, build_dataloader
 from titan_recur.data.tokenizer import load_tokenizer
 
 
@@ -86,11 +86,7 @@ def build_sentencepiece(corpus_txt: Path, vocab: int, folder: Path) -> Path:
 def measure(cfg: Data, tokenizer_folder: Path, seq_len: int, batch: int, seconds: float) -> tuple[float, float]:
     """(tokens per wall second, tokens per CPU second) of one loader process."""
     tok = load_tokenizer(tokenizer_folder)
-    it = iter(
-        build_dataloader(
-            cfg, tok, seq_len=seq_len, local_batch_size=batch, rows_per_step=batch, dp_rank=0, dp_world=1, seed=0
-        )
-    )
+    it = iter(build_dataloader(cfg, tok, LoaderGeometry(seq_len, batch)))
     next(it)  # open the sources
     tokens, wall, cpu = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - wall < seconds:

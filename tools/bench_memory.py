@@ -40,7 +40,7 @@ def build_step(cfg):
     """The trainer's model, optimizers and a batch for one process; returns (step function, device)."""
     import torch
 
-    from titan_recur.data.loader import build_dataloader
+    from titan_recur.data.loader import LoaderGeometry, build_dataloader
     from titan_recur.data.tokenizer import load_tokenizer
     from titan_recur.storage.model_io import resolve_model_args
     from titan_recur.training.build import build_model
@@ -53,16 +53,7 @@ def build_step(cfg):
     model = build_model(cfg, resolve_model_args(cfg.model), device)
     optimizers = build_optimizers(model, cfg.optimizer, cfg.lr_scheduler, t.steps)
     tokenizer = load_tokenizer(tokenizer_folder(cfg))
-    loader = build_dataloader(
-        cfg.data,
-        tokenizer,
-        seq_len=t.seq_len,
-        local_batch_size=t.local_batch_size,
-        rows_per_step=t.local_batch_size,
-        dp_rank=0,
-        dp_world=1,
-        seed=cfg.job.seed,
-    )
+    loader = build_dataloader(cfg.data, tokenizer, LoaderGeometry.of_run(cfg, dp_rank=0, dp_world=1))
     batch = next(iter(loader))
     input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
     k = min(r.backprop_depth, r.mean_recurrence)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from titan_recur.config import Data, DataPhase, DataSource
-from titan_recur.data.loader import build_dataloader
+from titan_recur.data.loader import LoaderGeometry, build_dataloader
 from titan_recur.data.tokenizer import load_tokenizer
 
 SEQ_LEN, BATCH, ROWS_PER_STEP = 8, 2, 4
@@ -39,16 +39,7 @@ def main() -> None:
     cfg = Data(phases=[DataPhase(0, [web]), DataPhase(10, [web, math])], validation_fraction=0.1)
 
     def loader():
-        return build_dataloader(
-            cfg,
-            tok,
-            seq_len=SEQ_LEN,
-            local_batch_size=BATCH,
-            rows_per_step=ROWS_PER_STEP,
-            dp_rank=rank,
-            dp_world=world,
-            seed=0,
-        )
+        return build_dataloader(cfg, tok, LoaderGeometry(SEQ_LEN, BATCH, ROWS_PER_STEP, dp_rank=rank, dp_world=world))
 
     reference = rows_of(list(islice(iter(loader()), 250)))
     first = loader()

@@ -46,7 +46,7 @@ from datasets.distributed import split_dataset_by_node
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titan_recur.config import Data, DataSource
+from titan_recur.config import Data, DataSource, JobConfig
 from titan_recur.data.tokenizer import Tokenizer, tokenizer_probe
 from titan_recur.models.loss import IGNORE_INDEX
 
@@ -496,6 +496,31 @@ def _phases(cfg: Data, split: str) -> list[tuple[int, list[DataSource]]]:
     return [(0, phases[-1][1])] if split == "validation" else phases
 
 
+@dataclass(frozen=True)
+class LoaderGeometry:
+    """How one data-parallel rank's rows are cut and which ones it reads: rows of ``seq_len`` (+ 1) tokens
+    in batches of ``local_batch_size``; ``rows_per_step`` rows per optimizer step (local_batch_size x
+    grad-accumulation steps; None = one batch), which select the data phase; the rank's place among
+    ``dp_world`` and the shuffle seed."""
+
+    seq_len: int
+    local_batch_size: int
+    rows_per_step: int | None = None
+    dp_rank: int = 0
+    dp_world: int = 1
+    seed: int = 0
+
+    @classmethod
+    def of_run(cls, cfg: JobConfig, dp_rank: int, dp_world: int, grad_accum: int = 1) -> LoaderGeometry:
+        """A training run's: its seq_len, batch and seed."""
+        t = cfg.training
+        return cls(t.seq_len, t.local_batch_size, t.local_batch_size * grad_accum, dp_rank, dp_world, cfg.job.seed)
+
+    @property
+    def step_rows(self) -> int:
+        return self.local_batch_size if self.rows_per_step is None else self.rows_per_step
+
+
 class PackedDataset(IterableDataset):
     """Rows of seq_len + 1 tokens: phases of weighted mixtures of packed sources, stateful for resume."""
 
@@ -503,16 +528,13 @@ class PackedDataset(IterableDataset):
         self,
         cfg: Data,
         tokenizer: Tokenizer,
+        geometry: LoaderGeometry,
         *,
-        seq_len: int,
-        local_batch_size: int,
-        rows_per_step: int,
-        dp_rank: int,
-        dp_world: int,
-        seed: int,
         split: str = "train",
         single_pass: bool = False,
     ):
+        seq_len, local_batch_size, rows_per_step = geometry.seq_len, geometry.local_batch_size, geometry.step_rows
+        dp_rank, dp_world, seed = geometry.dp_rank, geometry.dp_world, geometry.seed
         if split not in _SPLITS:
             raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
         if split == "validation" and cfg.validation_fraction <= 0 and not cfg.validation_sources:
@@ -697,36 +719,13 @@ class DataLoader(StatefulDataLoader):
 
 
 def build_dataloader(
-    cfg_data: Data,
-    tokenizer: Tokenizer,
-    *,
-    seq_len: int,
-    local_batch_size: int,
-    rows_per_step: int,
-    dp_rank: int,
-    dp_world: int,
-    seed: int,
-    split: str = "train",
-    single_pass: bool = False,
+    cfg_data: Data, tokenizer: Tokenizer, geometry: LoaderGeometry, *, split: str = "train", single_pass: bool = False
 ) -> DataLoader:
     """Batches {"input_ids", "labels"} of shape (local_batch_size, seq_len) for one data-parallel rank.
 
-    ``rows_per_step`` = local_batch_size * grad-accumulation steps: it maps rows to optimizer steps,
-    which select the data phase. ``single_pass``: read every source once, then stop (evaluation);
-    the last batch may have fewer rows.
+    ``single_pass``: read every source once, then stop (evaluation); the last batch may have fewer rows.
     """
-    dataset = PackedDataset(
-        cfg_data,
-        tokenizer,
-        seq_len=seq_len,
-        local_batch_size=local_batch_size,
-        rows_per_step=rows_per_step,
-        dp_rank=dp_rank,
-        dp_world=dp_world,
-        seed=seed,
-        split=split,
-        single_pass=single_pass,
-    )
+    dataset = PackedDataset(cfg_data, tokenizer, geometry, split=split, single_pass=single_pass)
     return DataLoader(dataset, num_workers=cfg_data.num_workers, reshard=cfg_data.reshard)
 
 

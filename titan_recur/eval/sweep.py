@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 
 from titan_recur.config import Data, DataFormat, DataSource, load_config
-from titan_recur.data.loader import build_dataloader
+from titan_recur.data.loader import LoaderGeometry, build_dataloader
 from titan_recur.data.tokenizer import Tokenizer
 from titan_recur.models.model import RecurrentLM
 from titan_recur.storage.model_io import write_files_atomically
@@ -144,12 +144,7 @@ def heldout_batches(
         build_dataloader(
             data_cfg,
             tokenizer,
-            seq_len=seq_len,
-            local_batch_size=batch_size,
-            rows_per_step=batch_size,
-            dp_rank=rank,
-            dp_world=ranks,
-            seed=seed,
+            LoaderGeometry(seq_len, batch_size, dp_rank=rank, dp_world=ranks, seed=seed),
             split=split,
             single_pass=True,
         )

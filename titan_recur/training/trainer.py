@@ -30,7 +30,7 @@ from titan_recur.config import (
     config_to_json,
     grad_accum_steps,
 )
-from titan_recur.data.loader import build_dataloader, check_data_config
+from titan_recur.data.loader import LoaderGeometry, build_dataloader, check_data_config
 from titan_recur.data.tokenizer import check_same_tokenizer, check_vocab, load_tokenizer
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.loss import count_labels
@@ -176,16 +176,8 @@ class Trainer:
         self.model = build_model(cfg, self.model_args, self.dist.device, self.mesh)
         self.optimizers = build_optimizers(self.model, cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.schedule = RecurrenceSchedule.from_config(cfg.recurrence, cfg.training.steps)
-        self.dataloader = build_dataloader(
-            cfg.data,
-            self.tokenizer,
-            seq_len=cfg.training.seq_len,
-            local_batch_size=cfg.training.local_batch_size,
-            rows_per_step=cfg.training.local_batch_size * self.grad_accum,
-            dp_rank=self.dist.rank,
-            dp_world=self.dp_world,
-            seed=cfg.job.seed,
-        )
+        geometry = LoaderGeometry.of_run(cfg, self.dist.rank, self.dp_world, self.grad_accum)
+        self.dataloader = build_dataloader(cfg.data, self.tokenizer, geometry)
         self.validator = Validator(cfg, self.tokenizer, self.dist.rank, self.dp_world, self.dist.device)
         self.step = 0
         self.progress = TrainProgress()

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from titan_recur.config import JobConfig
-from titan_recur.data.loader import build_dataloader
+from titan_recur.data.loader import LoaderGeometry, build_dataloader
 from titan_recur.data.tokenizer import Tokenizer
 from titan_recur.models.loss import count_labels
 from titan_recur.models.model import RecurrentLM
@@ -77,17 +76,8 @@ class Validator:
     def __init__(self, cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_world: int, device: torch.device) -> None:
         self.cfg = cfg.validation
         t = cfg.training
-        self._loader_args: dict[str, Any] = dict(
-            cfg_data=cfg.data,
-            tokenizer=tokenizer,
-            seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size,
-            rows_per_step=t.local_batch_size,
-            dp_rank=dp_rank,
-            dp_world=dp_world,
-            seed=cfg.job.seed,
-            split="validation",
-        )
+        self.data, self.tokenizer = cfg.data, tokenizer
+        self.geometry = LoaderGeometry.of_run(cfg, dp_rank, dp_world)
         self.device = device
         self.loss_chunk_tokens = t.loss_chunk_tokens
 
@@ -99,7 +89,9 @@ class Validator:
         """{r: token-weighted mean loss} over ``validation.steps`` batches of every rank; None when they hold
         no labelled token (prompts only): the same at every validation, so not an error that stops training."""
         with torch.random.fork_rng(devices=[]):  # the loader's seed draw must not shift the training RNG
-            batches = itertools.islice(iter(build_dataloader(**self._loader_args)), self.cfg.steps)
+            batches = itertools.islice(
+                iter(build_dataloader(self.data, self.tokenizer, self.geometry, split="validation")), self.cfg.steps
+            )
             sums = validation_loss_sums(
                 model, batches, self.cfg.recurrences, self.device, loss_chunk_tokens=self.loss_chunk_tokens
             )
