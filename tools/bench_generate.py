@@ -73,6 +73,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 from unittest import mock
 
 import torch
@@ -132,6 +133,16 @@ def concat_generate(model: RecurrentLM, input_ids: torch.Tensor, new_tokens: int
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_speed_command(commands)
+    _add_check_command(commands)
+    _add_memory_command(commands)
+    _add_quality_command(commands)
+    _add_task_command(commands)
+    _add_speculative_command(commands)
+    return parser.parse_args(argv)
+
+
+def _add_speed_command(commands: Any) -> None:
     speed = commands.add_parser("speed", help="tokens/s of the engine vs the concatenating cache")
     speed.add_argument("--device", default="cpu")
     speed.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -150,6 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="core iterations per compiled call (GenerationOptions.iterations_per_call)",
     )
 
+
+def _add_check_command(commands: Any) -> None:
     check = commands.add_parser("check", help="logits of the fast decode path vs eager (and host syncs on a GPU)")
     check.add_argument("--device", default="cpu")
     check.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -159,6 +172,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check.add_argument("--prompt-len", type=int, default=32)
     check.add_argument("--new-tokens", type=int, default=32)
 
+
+def _add_memory_command(commands: Any) -> None:
     memory = commands.add_parser("memory", help="KV-cache bytes of a source preset's retrofit per mode and r")
     memory.add_argument("--preset", default="llama3.2-1b", help="source preset (titan_recur.models.args.PRESETS)")
     memory.add_argument("--shape", default="4,6,4", help="P,R,C")
@@ -166,6 +181,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     memory.add_argument("--tokens", type=int, default=2048, help="cached tokens per sequence")
     memory.add_argument("--kv-sharing-modes", default="full,compress-4,latest")
 
+
+def _add_quality_command(commands: Any) -> None:
     quality = commands.add_parser("quality", help="loss and token agreement of cheaper depth vs full")
     quality.add_argument("--checkpoint", required=True, help="model folder")
     source = quality.add_mutually_exclusive_group(required=True)
@@ -182,6 +199,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     quality.add_argument("--batches", type=int, default=4)
     quality.add_argument("--batch-size", type=int, default=8)
 
+
+def _add_task_command(commands: Any) -> None:
     task = commands.add_parser("task", help="task accuracy vs iterations of each depth setting (teacher-forced)")
     task.add_argument("--checkpoint", required=True, help="recurrent model folder")
     task.add_argument("--task-dir", type=Path, required=True, help="tools/make_depth_task.py output (eval_<n>.jsonl)")
@@ -196,6 +215,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     task.add_argument("--limit", type=int, help="questions per length (default all)")
 
+
+def _add_speculative_command(commands: Any) -> None:
     spec = commands.add_parser("speculative", help="tokens/s and accuracy of speculative vs plain decoding")
     spec.add_argument("--checkpoint", required=True, help="recurrent model folder")
     spec.add_argument("--task-dir", type=Path, required=True, help="tools/make_depth_task.py output (eval_<n>.jsonl)")
@@ -207,7 +228,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     spec.add_argument("--lookaheads", default="2,4,8", help="drafted tokens per round (default 2,4,8)")
     spec.add_argument("--batch-sizes", default="1,4", help="questions decoded together (default 1,4)")
     spec.add_argument("--rounds", type=int, default=3, help="timed rounds, settings alternated (default 3)")
-    return parser.parse_args(argv)
 
 
 # --- speed --------------------------------------------------------------------------------------
