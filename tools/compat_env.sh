@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ./.venv-hf4: transformers 4.57 (the oldest release the HF export supports) for tests/test_export_hf_compat.py.
+# ./.venv-hf4: transformers 4.57 (the oldest release the HF export supports) for tests/hf/test_export_hf_compat.py.
 # An overlay on .venv, not a venv: the three packages that differ from .venv's, installed with --target and put
 # first on PYTHONPATH by the test, so torch and the rest are .venv's own. Measured on a loaded 2-core CI-class
 # machine: 1 min 13 s wall (18 s CPU), 135 MB; a second venv with its own torch took 5 min 3 s (82 s CPU), 1.1 GB.

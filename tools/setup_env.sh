@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-# tests/test_slurm_real.py runs the launcher under a private Slurm cluster. With TITAN_RECUR_REQUIRE_SLURM=1
+# tests/system/test_slurm_real.py runs the launcher under a private Slurm cluster. With TITAN_RECUR_REQUIRE_SLURM=1
 # (.ci/run sets it; a user's install never touches system packages) install Slurm and munge when we can
 # (root, apt-get, no slurmctld yet). Not fatal: if apt fails, that test says why.
 if [ "${TITAN_RECUR_REQUIRE_SLURM:-0}" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
@@ -12,7 +12,7 @@ if [ "${TITAN_RECUR_REQUIRE_SLURM:-0}" = 1 ] && [ "$(id -u)" = 0 ] && command -v
   mkdir -p .cache
   if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       slurm-wlm munge; } >.cache/setup_env_slurm.log 2>&1; then
-    echo "setup_env: could not install slurm-wlm and munge (.cache/setup_env_slurm.log); tests/test_slurm_real.py reports it" >&2
+    echo "setup_env: could not install slurm-wlm and munge (.cache/setup_env_slurm.log); tests/system/test_slurm_real.py reports it" >&2
   fi
 fi
 if [ ! -x .venv/bin/python ]; then

@@ -1,4 +1,4 @@
-"""Two ranks fail the same checkpoint save; their disk-full readings must agree (tests/test_safety.py).
+"""Two ranks fail the same checkpoint save; their disk-full readings must agree (tests/system/test_safety.py).
 
 argv: FOLDER (a checkpoints folder on a small tmpfs) OUT (json). Rank 0 fills the file system with a file
 inside the step's incomplete folder, so that removing the folder frees the space. Both ranks then fail the

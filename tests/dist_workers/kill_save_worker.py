@@ -1,5 +1,5 @@
 """kill -9 at random moments inside checkpoint saves of a 2-rank run, then resume; and frozen ranks
-(SIGSTOP). See tests/test_safety.py.
+(SIGSTOP). See tests/system/test_safety.py.
 
 Usage: kill_save_worker.py SPEC.json RESULT.json. SPEC: {"argv": trainer args (without the dump folder),
 "root": folder, "world": 2, "kills": 10, "seed": int, "steps": int, "modes": ["disabled", "async"],

@@ -324,7 +324,7 @@ def compute_bytes(cfg: JobConfig, device_type: str) -> int:
 def block_saved_bytes(args: ModelArgs, c: int) -> float:
     """Bytes per token one transformer block saves for backward, besides its input.
 
-    Counted tensor by tensor as eager PyTorch saves them (tests/test_preflight.py checks the count
+    Counted tensor by tensor as eager PyTorch saves them (tests/training/test_preflight.py checks the count
     with saved-tensor hooks): RMSNorm keeps an fp32 copy of a low-precision input, its rsqrt and the
     normalised fp32 product; projections keep their inputs; SDPA (flash / memory-efficient) keeps q,
     k, v, its output and the fp32 log-sum-exp per head; SwiGLU keeps gate, up, silu(gate) and the

@@ -1,0 +1,227 @@
+"""The miniature's depth task: generator, splits and harness tasks (the whole pipeline: tests/eval/test_compare.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.torchrun_util import load_tool
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def depth_task():
+    return load_tool("make_depth_task")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_permutations_generate_a8(depth_task) -> None:
+    """Checked with sympy's group theory (torch's own dependency), not the tool's closure."""
+    from sympy.combinatorics import Permutation, PermutationGroup
+
+    for seed in (0, 1, 7):
+        perms = [Permutation(p) for p in depth_task.draw_permutations(seed)]
+        group = PermutationGroup(perms)
+        assert group.order() == 20160 and group.is_alternating and not group.is_abelian
+        assert perms[0] * perms[1] != perms[1] * perms[0]
+
+
+def test_perm_splits_answers_and_lengths(depth_task, tmp_path: Path) -> None:
+    argv = [
+        "--out",
+        str(tmp_path),
+        "--train-lengths",
+        "2-5",
+        "--eval-lengths",
+        "3-4",
+        "--train-examples",
+        "400",
+        "--eval-examples",
+        "6",
+        "--seed",
+        "7",
+        "--perm-seed",
+        "3",
+    ]
+    assert depth_task.main(argv) == 0
+    params = json.loads((tmp_path / "task.json").read_text())
+    perms = np.array(params["permutations"])
+    assert params["permutations"] == depth_task.draw_permutations(3)
+
+    def answer(prompt: str) -> str:  # the permutations as index arrays, composed by numpy
+        start, *ops, eq = prompt.split()
+        assert eq == "=" and set(ops) <= {"a", "b"}
+        state = np.int64(start)
+        for op in ops:
+            state = perms["ab".index(op)][state]
+        return str(state)
+
+    train = read_jsonl(tmp_path / "train.jsonl")
+    assert len(train) == 400 and {len(r["prompt"].split()) - 2 for r in train} == {2, 3, 4, 5}
+    for row in train:
+        assert row["completion"] == f" {answer(row['prompt'])}" and row["text"] == row["prompt"] + row["completion"]
+    evaluation = []
+    for n in (3, 4):
+        rows = read_jsonl(tmp_path / f"eval_{n}.jsonl")
+        assert len(rows) == 6 and all(r["length"] == n and r["answer"] == answer(r["prompt"]) for r in rows)
+        evaluation += rows
+    validation = read_jsonl(tmp_path / "validation.jsonl")
+    key = lambda r: (r["prompt"], r["completion"])  # noqa: E731
+    assert sorted(map(key, validation)) == sorted(map(key, evaluation))
+    assert [r["length"] for r in validation] != sorted(r["length"] for r in validation)  # shuffled
+    assert not (tmp_path / "eval_5.jsonl").exists() and (tmp_path / "perm_3.yaml").is_file()
+    again = tmp_path / "again"
+    depth_task.main([*argv[:1], str(again), *argv[2:]])
+    assert all((again / f).read_bytes() == (tmp_path / f).read_bytes() for f in ("train.jsonl", "validation.jsonl"))
+
+
+def test_evaluation_questions_are_held_out_of_training(depth_task, tmp_path: Path) -> None:
+    """The default perm task: no evaluation question of a length with room to hold it out (5-12, and the
+    extrapolation split 13-16) occurs in the training file; questions are distinct within a length; task.json
+    names the lengths too short to hold out (1-4: 8 x 2^k questions against 100 drawn)."""
+    assert depth_task.main(["--out", str(tmp_path)]) == 0
+    train = {row["prompt"] for row in read_jsonl(tmp_path / "train.jsonl")}
+    params = json.loads((tmp_path / "task.json").read_text())
+    assert params["held_out_lengths"] == list(range(5, 17)) and params["not_held_out_lengths"] == [1, 2, 3, 4]
+    for n in range(1, 17):
+        prompts = [row["prompt"] for row in read_jsonl(tmp_path / f"eval_{n}.jsonl")]
+        assert len(prompts) == 100
+        if n >= 5:
+            assert len(set(prompts)) == 100 and not set(prompts) & train, n
+    assert "perm_13" in (tmp_path / "perm_extrapolation.yaml").read_text()
+    assert "perm_13" not in (tmp_path / "perm.yaml").read_text()
+    assert {row["length"] for row in read_jsonl(tmp_path / "validation.jsonl")} == set(range(1, 13))
+
+
+def test_arith_answers_and_bindings(depth_task, tmp_path: Path) -> None:
+    """Each arith answer equals the bindings evaluated by Python in order (integers, mod 10 at the end)."""
+    argv = ["--task", "arith", "--out", str(tmp_path), "--train-examples", "200", "--eval-examples", "20"]
+    assert depth_task.main(argv) == 0
+    rows = read_jsonl(tmp_path / "train.jsonl") + read_jsonl(tmp_path / "eval_16.jsonl")
+    for row in rows:
+        *bindings, question = row["prompt"].split(" ; ")
+        scope: dict[str, int] = {}
+        for binding in bindings:
+            name, expression = binding.split(" = ")
+            scope[name] = eval(expression, {}, dict(scope))  # noqa: S307 (digits, variables, + - *)
+        variable = question.removesuffix(" mod 10 ?")
+        assert row["completion"] == f" {scope[variable] % 10}" and len(bindings) - 1 <= 16
+    assert len(read_jsonl(tmp_path / "eval_16.jsonl")) == 20 and (tmp_path / "arith_extrapolation.yaml").is_file()
+
+
+def test_mod10_task_stays_available(depth_task, tmp_path: Path) -> None:
+    assert (
+        depth_task.main(
+            [
+                "--task",
+                "mod10",
+                "--out",
+                str(tmp_path),
+                "--max-steps",
+                "3",
+                "--train-examples",
+                "50",
+                "--eval-examples",
+                "4",
+            ]
+        )
+        == 0
+    )
+    for row in read_jsonl(tmp_path / "eval_5.jsonl"):
+        expression = row["prompt"].removeprefix("Question: ").split(" (mod 10)")[0]
+        assert row["answer"] == str(eval(expression) % 10) and row["length"] == 5  # noqa: S307 (digits, +/- only)
+    assert (tmp_path / "mod10_6.yaml").is_file() and not (tmp_path / "eval_7.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--train-examples", "0"],
+        ["--train-lengths", "5-2"],
+        ["--eval-lengths", "x"],
+        ["--task", "other"],
+        ["--eval-lengths", "1-13"],  # overlaps the default extrapolation split 13-16
+        ["--task", "arith", "--extrapolation-lengths", "13-20"],  # longer than the variables allow
+    ],
+)
+def test_bad_arguments_exit_2(depth_task, tmp_path: Path, capsys: pytest.CaptureFixture, argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        depth_task.main(["--out", str(tmp_path / "task"), *argv])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert not (tmp_path / "task").exists()
+
+
+def test_task_yamls_score_exact_match(depth_task, tmp_path: Path) -> None:
+    """The generated harness tasks: an oracle scores 1, an oracle off by one 0, per length and in the group."""
+    from lm_eval import simple_evaluate
+    from lm_eval.api.model import LM
+    from lm_eval.tasks import TaskManager
+
+    depth_task.main(["--out", str(tmp_path), "--eval-lengths", "6-7", "--train-examples", "10", "--eval-examples", "3"])
+    answers = {row["prompt"]: row["answer"] for n in (6, 7) for row in read_jsonl(tmp_path / f"eval_{n}.jsonl")}
+
+    class Oracle(LM):
+        def __init__(self, shift: int) -> None:
+            super().__init__()
+            self.shift = shift
+
+        def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+            return [f" {(int(answers[r.args[0]]) + self.shift) % 8}" for r in requests]
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError
+
+    manager = TaskManager(include_defaults=False, include_path=str(tmp_path))
+    for shift, expected in ((0, 1.0), (1, 0.0)):
+        for tasks, names in (([str(tmp_path / "perm_6.yaml"), "perm_7"], ("perm_6", "perm_7")), (["perm"], ("perm",))):
+            result = simple_evaluate(model=Oracle(shift), tasks=tasks, task_manager=manager)
+            for name in names:
+                assert result["results"][name]["exact_match,flexible-extract"] == expected
+
+
+def test_flops_to_reach_names_the_smallest_r() -> None:
+    """At the fewest FLOPs the recurrent arm is credited with the first r that reaches a target, not the
+    largest (r=16 sorted before r=2 as text)."""
+    summarize = load_tool("summarize_mini")
+
+    def point(flops: float, step: int, by_r: dict[int, float]) -> dict:
+        return {
+            "flops": {"paper": flops},
+            "step": step,
+            "results": {str(r): {"long": {"mean": m}} for r, m in by_r.items()},
+        }
+
+    summary = {
+        "arms": {
+            "recurrent": {"recurrent": True, "points": [point(1e12, 200, {1: 0.4, 2: 0.78, 4: 0.9, 16: 0.9})]},
+            "static_x1": {"recurrent": False, "points": [point(2e12, 680, {1: 0.7})]},
+        }
+    }
+    reach = summarize.flops_to_reach(summary)
+    assert reach["0.5"]["recurrent"] == {"flops": 1e12, "arm": "recurrent", "step": 200, "r": 2}
+    assert reach["0.9"]["recurrent"]["r"] == 4
+    assert reach["0.5"]["static"]["step"] == 680 and reach["0.8"]["static"] is None
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/results.md"])
+def test_quoted_result_tables_equal_the_shipped_summary(doc: str) -> None:
+    """The long-chain and extrapolation tables the docs quote are summarize_mini's rendering of the shipped
+    summary.json of the full run, line for line (a number edited by hand, or a rerun not shipped, fails)."""
+    summarize = load_tool("summarize_mini")
+    summary = json.loads((REPO / "docs" / "results" / "perm" / "summary.json").read_text())
+    text = (REPO / doc).read_text()
+    for group in ("long", "extrapolation"):
+        table = "\n".join(summarize.group_table(summary, group))
+        assert table in text, f"{doc}: the {group} table differs from docs/results/perm/summary.json"
+    assert summary["held_out_lengths"] == list(range(5, 17)) and summary["groups"]["extrapolation"] == [13, 14, 15, 16]
