@@ -57,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--num-steps", type=int, help="core iterations per token, r (default: the model's mean_recurrence)"
     )
-    parser.add_argument("--kv-sharing", default="full", help="full (exact), latest, or compress-N (default full)")
+    parser.add_argument(
+        "--kv-sharing",
+        default=GenerationOptions.kv_sharing,
+        help=f"full (exact), latest, or compress-N (default {GenerationOptions.kv_sharing})",
+    )
     parser.add_argument("--exit", dest="exit_criterion", help=f"adaptive exit: {describe_criteria()}")
     parser.add_argument(
         "--exit-threshold",
@@ -65,8 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit below this value (argmax: stable for this many "
         f"checks); default Huginn's: {describe_default_thresholds()}",
     )
-    parser.add_argument("--min-steps", type=int, default=1, help="iterations before a token may exit (default 1)")
-    parser.add_argument("--check-every", type=int, default=1, help="check the exit criterion every J iterations")
+    parser.add_argument(
+        "--min-steps",
+        type=int,
+        default=GenerationOptions.min_steps,
+        help=f"iterations before a token may exit (default {GenerationOptions.min_steps})",
+    )
+    parser.add_argument(
+        "--check-every",
+        type=int,
+        default=GenerationOptions.check_every,
+        help="check the exit criterion every J iterations",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default 8)")
     parser.add_argument(
@@ -74,9 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="zero, embed, normal, or previous (warm start from the previous "
         "token's final state); default: the deterministic eval init",
     )
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    parser.add_argument(
+        "--temperature", type=float, default=GenerationOptions.temperature, help="0 = greedy (default); > 0 samples"
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=GenerationOptions.top_k,
+        help=f"sample among the k most likely tokens (default {GenerationOptions.top_k}: all)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=GenerationOptions.top_p,
+        help=f"nucleus sampling mass (default {GenerationOptions.top_p:g})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="float32", help="model dtype: float32 (default) or bfloat16")
@@ -193,25 +219,8 @@ def check_generation_memory(
 
 
 def options_from_args(args: argparse.Namespace, eos_id: int) -> GenerationOptions:
-    return GenerationOptions(
-        max_new_tokens=args.max_new_tokens,
-        num_steps=args.num_steps,
-        kv_sharing=args.kv_sharing,
-        exit_criterion=args.exit_criterion,
-        exit_threshold=args.exit_threshold,
-        min_steps=args.min_steps,
-        check_every=args.check_every,
-        state_init=args.state_init,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        eos_id=eos_id,
-        compile=args.compile,
-        iterations_per_call=args.iterations_per_call,
-        draft_steps=args.draft_steps,
-        lookahead=GenerationOptions.lookahead if args.lookahead is None else args.lookahead,
-    )
+    """The generation flags, taken whole (their names are GenerationOptions' fields)."""
+    return GenerationOptions.from_values(vars(args), eos_id=eos_id)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -4,8 +4,9 @@ once, read by the engine, the fast path's programs, the command line, lm-eval an
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeGuard, cast
+from typing import Any, TypeGuard, cast
 
 import torch
 
@@ -59,6 +60,13 @@ class GenerationOptions:
     iterations_per_call: int | None = None
     draft_steps: int | None = None
     lookahead: int = 4
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any], **given: Any) -> GenerationOptions:
+        """The options among ``values`` (a command's parsed flags) and ``given``; other keys are ignored, and a
+        None value (a flag not given) leaves the option at its default."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in {**values, **given}.items() if k in names and v is not None})
 
     def resolve(self, args: ModelArgs) -> GenerationOptions:
         """A copy with the model's defaults filled in; a one-line ValueError for any bad knob."""
