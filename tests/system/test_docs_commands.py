@@ -332,7 +332,7 @@ RUN = {
     "titan-recur-flops --config train_configs/tinyllama.toml --world-size 64 --match "
     "train_configs/tinyllama_static.toml --json": {},
     "python -m titan_recur.eval loss --checkpoint outputs/debug/final_model --data assets/corpus/math.jsonl "
-    "--recurrences 1,2,4,8,16,32 --batches 10 --batch-size 8 --seq-len 1024 --out outputs/eval/loss": {
+    "--recurrences 1,2,4,8,16,32 --batches 4 --batch-size 4 --seq-len 128 --out outputs/eval/loss": {
         "outputs/debug": "{run}",
         "outputs/eval/loss": "{tmp}/loss",
     },

@@ -513,39 +513,54 @@ def fill_disk(filler: Path, leave: int) -> None:
             size -= f.write(b"\0" * min(size, 1 << 20))
 
 
-def test_every_writer_on_a_full_disk_ends_in_one_line_and_leaves_nothing(tmp_path):
+def run_command(main, argv: list[str], capsys, monkeypatch) -> tuple[int, str]:
+    """A command's main in this process, as its console script runs it: (exit code, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["command", *argv])
+    try:
+        code = main()
+    except SystemExit as exit:
+        code = exit.code
+    return code or 0, capsys.readouterr().err
+
+
+def test_every_writer_on_a_full_disk_ends_in_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
     """convert, export and eval loss/heldout on a disk with 8 KB free: one line, exit 1, no file of theirs left
     (an empty or partial result made the rerun refuse it without --force, and --force then refuse it as not
     theirs); with the space freed the same command completes."""
+    from titan_recur.cli import convert, export
+    from titan_recur.cli import eval as evaluate
+
     disk, config = tmp_path / "tmpfs", REPO_ROOT / "train_configs" / "debug_model.toml"
     model, data = REPO_ROOT / "assets" / "tiny_llama_recurrent", REPO_ROOT / "assets" / "corpus" / "math.jsonl"
     loss = ["--checkpoint", str(model), "--data", str(data), "--recurrences", "1,2", "--batches", "1"]
     commands = {
-        "convert": ["-m", "titan_recur.cli.convert", str(REPO_ROOT / "assets" / "tiny_llama"), str(disk / "conv")],
-        "export": ["-m", "titan_recur.cli.export", str(model), str(disk / "hf")],
-        "eval loss": ["-m", "titan_recur.eval", "loss", *loss, "--batch-size", "2", "--seq-len", "32"],
-        "eval heldout": ["-m", "titan_recur.eval", "heldout", "--config", str(config), "--documents", "50"],
+        "convert": (convert.main, [str(REPO_ROOT / "assets" / "tiny_llama"), str(disk / "conv"), "--shape", "2,4,2"]),
+        "export": (export.main, [str(model), str(disk / "hf")]),
+        "eval loss": (
+            evaluate.main,
+            ["loss", *loss, "--batch-size", "2", "--seq-len", "32", "--out", str(disk / "loss")],
+        ),
+        "eval heldout": (
+            evaluate.main,
+            ["heldout", "--config", str(config), "--documents", "50", "--out", str(disk / "held_out.jsonl")],
+        ),
     }
-    commands["convert"] += ["--shape", "2,4,2"]
-    commands["eval loss"] += ["--out", str(disk / "loss")]
-    commands["eval heldout"] += ["--out", str(disk / "held_out.jsonl")]
     results = {}
     with tmpfs(disk):
-        for name, command in commands.items():
+        for name, (main, argv) in commands.items():
             fill_disk(disk / "filler", leave=8 << 10)
-            full = subprocess.run([sys.executable, *command], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True)
+            full = run_command(main, argv, capsys, monkeypatch)
             left = sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if p.is_file() and p.name != "filler")
             (disk / "filler").unlink()
-            again = subprocess.run([sys.executable, *command], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True)
-            results[name] = full, left, again
+            results[name] = full, left, run_command(main, argv, capsys, monkeypatch)
             for path in disk.iterdir():
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
-    for name, (full, left, again) in results.items():
-        lines = full.stderr.strip().splitlines()
-        assert full.returncode == 1 and len(lines) == 1, (name, full.returncode, full.stderr[-3000:])
+    for name, ((code, stderr), left, (again, again_stderr)) in results.items():
+        lines = stderr.strip().splitlines()
+        assert code == 1 and len(lines) == 1, (name, code, stderr[-3000:])
         assert "No space left on device" in lines[0] and str(disk) in lines[0], (name, lines[0])
         assert left == [], (name, left)
-        assert again.returncode == 0, (name, again.stderr[-3000:])
+        assert again == 0, (name, again_stderr[-3000:])
 
 
 def test_a_final_export_on_a_full_disk_ends_in_one_line_and_the_rerun_exports(model, tmp_path):
