@@ -105,11 +105,21 @@ def test_every_console_script_has_its_main(script):
     assert func in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
 
 
-def help_text(command: list[str], env: dict[str, str], cwd: Path) -> str:
-    """The --help text, its program name and line wrapping left out (a script's name is argparse's default)."""
-    done = subprocess.run([*command, "--help"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.startswith("usage:"), (command, done.stderr[-2000:])
-    return " ".join(done.stdout.split()[2:])
+def help_texts(runs: list[tuple[list[str], dict[str, str], Path]]) -> list[str]:
+    """The --help text of each (command, env, cwd), run side by side, its program name and line wrapping left
+    out (a script's name is argparse's default)."""
+    procs = [
+        subprocess.Popen(
+            [*command, "--help"], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for command, env, cwd in runs
+    ]
+    texts = []
+    for (command, _, _), proc in zip(runs, procs, strict=True):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and out.startswith("usage:"), (command, err[-2000:])
+        texts.append(" ".join(out.split()[2:]))
+    return texts
 
 
 # The checkout's tool shims, the console script each runs.
@@ -127,12 +137,16 @@ SHIMS = {
 def test_console_scripts_run_in_the_editable_install_the_wheel_and_the_checkout(script, installed, tmp_path):
     """--help of each command: the test environment's (editable) script, the wheel's script with only the wheel
     on the path, and in the checkout `python tools/<name>.py` for the tools' shims (the same text)."""
-    editable = help_text([str(Path(sys.executable).parent / script)], dict(os.environ), tmp_path)
     wheel_env = {**os.environ, "PYTHONPATH": str(installed)}
-    assert help_text([sys.executable, str(installed / "bin" / script)], wheel_env, tmp_path) == editable
+    runs = [
+        ([str(Path(sys.executable).parent / script)], dict(os.environ), tmp_path),  # the editable install's
+        ([sys.executable, str(installed / "bin" / script)], wheel_env, tmp_path),
+    ]
     shim = next((name for name, s in SHIMS.items() if s == script), None)
     if shim is not None:
-        assert help_text([sys.executable, f"tools/{shim}.py"], dict(os.environ), REPO) == editable
+        runs.append(([sys.executable, f"tools/{shim}.py"], dict(os.environ), REPO))
+    editable, *others = help_texts(runs)
+    assert others == [editable] * len(others)
 
 
 def test_the_install_finds_its_configs_and_tasks(installed, tmp_path):
