@@ -193,16 +193,16 @@ def test_no_recompile_across_prompt_lengths_and_token_counts_within_a_bucket(mod
     assert len(decode_program._DECODE_PROGRAMS[model]) == 1
 
 
-def test_a_depth_sweep_builds_more_programs_than_dynamos_recompile_limit(model, counter, monkeypatch) -> None:
+def test_a_depth_sweep_builds_more_programs_than_dynamos_recompile_limit(model, counter) -> None:
     """Accuracy against r builds a program per depth: more than dynamo keeps graphs per function
     (``recompile_limit``, 8; with fullgraph the one past it is an error), so each program compiles its own
     copy of the pieces. The limit is lowered to 2 here: the same failure, at the third depth, in fewer compiles."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     ids, mask = prompts()
-    for r in range(1, torch._dynamo.config.recompile_limit + 3):
-        options = GenerationOptions(max_new_tokens=3, num_steps=r)
-        fast = generate(model, ids, dataclasses.replace(options, compile=True), attention_mask=mask)
-        assert fast.tokens.tolist() == generate(model, ids, options, attention_mask=mask).tokens.tolist()
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for r in range(1, torch._dynamo.config.recompile_limit + 3):
+            options = GenerationOptions(max_new_tokens=3, num_steps=r)
+            fast = generate(model, ids, dataclasses.replace(options, compile=True), attention_mask=mask)
+            assert fast.tokens.tolist() == generate(model, ids, options, attention_mask=mask).tokens.tolist()
 
 
 def test_a_host_sync_inside_the_token_step_fails_the_compile(model, counter, monkeypatch) -> None:

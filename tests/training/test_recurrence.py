@@ -2,11 +2,13 @@
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
 
 from titan_recur.config import Recurrence
+from titan_recur.models.args import CURRICULUM_KINDS
 from titan_recur.training.recurrence import (
     Curriculum,
     RecurrenceSampler,
@@ -103,7 +105,7 @@ def test_none_curriculum_and_zero_warmup_are_constant():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(kind="cosine"), r"one of \('none', 'linear', '1-sqrt', 'interpolate'\)"),
+        (dict(kind="cosine"), re.escape(f"one of {CURRICULUM_KINDS}")),
         (dict(max_value=0, start=1), "max_value must be an integer >= 1"),
         (dict(max_value=4, start=8), r"max_value \(4\) must be >= start \(8\)"),
         (dict(start=0), "start must be an integer >= 1"),
