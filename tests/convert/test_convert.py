@@ -487,6 +487,7 @@ def test_cli_help():
         assert text in result.stdout
 
 
+@pytest.mark.slow
 def test_cli_converts_and_dry_run_writes_nothing(tiny_hf_checkpoint, tmp_path):
     source = tiny_hf_checkpoint("olmo2")
     dry = run_cli(source, tmp_path / "dry", "--shape", "1,2,1", "--dry-run")

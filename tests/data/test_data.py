@@ -384,6 +384,7 @@ def test_token_stream_of_another_tokenizer_is_one_line_at_start_up(tmp_path, tok
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_two_ranks_resume_exactly_and_never_share_documents(tmp_path, tok_folder):
     web = write_jsonl(tmp_path / "web.jsonl", make_docs("doc", 101))
     math = write_jsonl(tmp_path / "math.jsonl", make_docs("MATH", 57, seed=1))

@@ -161,6 +161,7 @@ def test_trainer_resume_on_masked_data_is_bit_identical(tmp_path):
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq_len_flag", [[], ["--seq-len", str(SEQ_LEN)]], ids=["v2-stream", "v1-rows"])
 def test_pretokenized_labels_give_the_records_rows(tmp_path, seq_len_flag):
     path = write_records(tmp_path / "qa.jsonl", RECORDS, 10)

@@ -100,6 +100,7 @@ sys.meta_path.insert(0, Blocker())
 """
 
 
+@pytest.mark.slow
 def test_exported_modeling_code_is_self_contained(recurrent_dir: Path, exported: Path, tmp_path: Path) -> None:
     """The export runs in a process that cannot import titan_recur, and computes titan_recur's logits."""
     source = (exported / "modeling_titan_recur.py").read_text()
@@ -306,6 +307,7 @@ def export_tool():
     return load_tool("export_hf")
 
 
+@pytest.mark.slow
 def test_export_tool_and_its_errors(recurrent_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "hf"
     argv = [sys.executable, "tools/export_hf.py", str(recurrent_dir), str(out), "--mean-recurrence", "8"]

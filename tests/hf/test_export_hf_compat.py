@@ -79,6 +79,7 @@ json.dump(result, open(out + "/result.json", "w"))
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", ["4.57", "5"])
 def test_export_runs_on_transformers(
     exported: Path,

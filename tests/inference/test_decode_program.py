@@ -121,6 +121,7 @@ def test_every_option_on_the_fast_path_equals_eager(model, counter, knobs: dict)
         assert len(set(eager.steps[:, 1:].flatten().tolist())) > 1  # rows exit at different checks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "knobs",
     [
@@ -193,6 +194,7 @@ def test_no_recompile_across_prompt_lengths_and_token_counts_within_a_bucket(mod
     assert len(decode_program._DECODE_PROGRAMS[model]) == 1
 
 
+@pytest.mark.slow
 def test_a_depth_sweep_builds_more_programs_than_dynamos_recompile_limit(model, counter) -> None:
     """Accuracy against r builds a program per depth: more than dynamo keeps graphs per function
     (``recompile_limit``, 8; with fullgraph the one past it is an error), so each program compiles its own
@@ -235,6 +237,7 @@ def test_sampling_by_uniforms_is_the_distribution() -> None:
     assert sample_by_uniforms(probs[None] * 7, torch.zeros(1)).item() == 1  # unnormalised, u = 0
 
 
+@pytest.mark.slow
 def test_buckets_and_the_program_cache(counter) -> None:
     """Rows pad up to a power of two (64 and beyond: multiples of 64); capacity to a multiple of 128 within
     max_seq_len; a program is reused while its capacity suffices, rebuilt larger when not, and at most

@@ -705,6 +705,7 @@ def test_lm_eval_model_decodes_speculatively_with_the_same_answers(model_dir: Pa
         TitanRecurLM(**simple_parse_args_string(common + ",draft_steps=1,lookahead=0"))
 
 
+@pytest.mark.slow
 def test_hf_export_generate_takes_the_depth_knobs(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -51,6 +51,7 @@ def test_batched_rows_accept_independently_and_equal_their_solo_runs(model):
         assert torch.equal(solo[0], batched[row])
 
 
+@pytest.mark.slow
 def test_sampled_speculation_has_the_target_depths_distribution(model):
     """The 2nd and 3rd sampled tokens (drafted, then accepted or resampled) over 8,000 draws: their total
     variation to plain sampling at r = 8 is within the noise of two plain samplers, while sampling at the

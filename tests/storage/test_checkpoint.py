@@ -556,6 +556,7 @@ def single(normal_init_model, tmp_path_factory) -> dict:
     return {"results": dict(zip(jobs, results, strict=True)), "dirs": d, "root": root, "model": normal_init_model}
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_and_the_last_good_checkpoint_is_intact(single):
     r, d = single["results"], single["dirs"]
     assert r["base"]["rc"] == 0, r["base"]["stderr"][-3000:]
@@ -619,6 +620,7 @@ def test_initial_load_path_loads_the_model_only(single):
 # ------------------------------------------------------------------------- no crash loop on leftovers
 
 
+@pytest.mark.slow
 def test_leftovers_in_the_way_of_a_save_are_set_aside_and_the_rerun_completes(normal_init_model, tmp_path):
     """An interrupted copy as step-6 (no .metadata) and a foreign file named step-8.partial stood where those
     saves go: every rerun failed at step 6. Now each is moved aside with one line, kept, and the run

@@ -21,6 +21,7 @@ from titan_recur.training.profiling import STEP_PHASES
 MODEL = REPO_ROOT / "assets" / "tiny_llama_recurrent"
 
 
+@pytest.mark.slow
 def test_bench_step_runs_the_fsdp_trainer_step_and_reports_mfu(tmp_path: Path):
     out = tmp_path / "points.jsonl"
     run_torchrun(
@@ -140,6 +141,7 @@ def test_bench_precision_errors_are_bf16_sized():
         assert 1e-4 < float(row[2].split()[0]) < 5e-2, row
 
 
+@pytest.mark.slow
 def test_bench_data_measures_every_backend_and_the_pre_tokenized_loader():
     """Tokenizers trained on the bundled corpus (nothing downloaded), then tokens/s of each loader path."""
     done = subprocess.run(

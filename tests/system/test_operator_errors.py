@@ -494,6 +494,7 @@ def train(config: Path, dump: Path, *extra: str, wait: bool = True):
     return subprocess.run(argv, capture_output=True, text=True, env=subprocess_env(), timeout=600)
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_live_runs_dump_folder_is_refused_naming_it(train_config, tmp_path):
     """Two real trainers: the second is refused in one line naming the first; after kill -9 of the first, a
     third takes the stale lock over and finishes."""
@@ -574,6 +575,7 @@ def _try_acquire(folder: str, queue, done) -> None:
     done.wait(300)
 
 
+@pytest.mark.slow
 def test_processes_racing_for_a_stale_lock_leave_exactly_one_holder(tmp_path):
     import multiprocessing
 
@@ -727,6 +729,7 @@ def test_a_file_system_without_hard_links_still_locks(tmp_path, monkeypatch, cod
     DumpFolderLock.acquire(tmp_path).release()
 
 
+@pytest.mark.slow
 def test_two_runs_sharing_a_checkpoint_folder_are_refused(train_config, tmp_path):
     """Another dump folder, the same absolute checkpoint.folder: the checkpoint folder is locked too."""
     checkpoints = tmp_path / "shared_checkpoints"

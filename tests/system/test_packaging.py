@@ -133,6 +133,7 @@ SHIMS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_console_scripts_run_in_the_editable_install_the_wheel_and_the_checkout(script, installed, tmp_path):
     """--help of each command: the test environment's (editable) script, the wheel's script with only the wheel

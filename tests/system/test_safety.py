@@ -456,6 +456,7 @@ def test_disk_full_is_one_line_and_the_previous_checkpoint_stays_intact(runs):
     assert rerun["before"] == rerun["after"]
 
 
+@pytest.mark.slow
 def test_disk_full_readings_agree_across_ranks(tmp_path):
     """A rank whose own error does not say the disk is full (torch.save's "unexpected pos") still says
     "No space left", though rank 0 removes the incomplete folder (and so frees the disk) a second before
@@ -474,6 +475,7 @@ def test_disk_full_readings_agree_across_ranks(tmp_path):
     assert not partial_left
 
 
+@pytest.mark.slow
 def test_an_async_save_on_a_full_disk_and_its_rerun_each_end_in_one_line(model, tmp_path):
     """An async save fills the disk; the same command on the still-full disk fails the same way: each time
     exactly one line on stderr (no warning of the writer thread) and nothing but step-2 left; once space
@@ -563,6 +565,7 @@ def test_every_writer_on_a_full_disk_ends_in_one_line_and_leaves_nothing(tmp_pat
         assert again == 0, (name, again_stderr[-3000:])
 
 
+@pytest.mark.slow
 def test_a_final_export_on_a_full_disk_ends_in_one_line_and_the_rerun_exports(model, tmp_path):
     """Training done, its last checkpoint elsewhere: the final model does not fit. One line naming the folder
     and the checkpoint, no final_model/ (nor a temporary) left; the same command, with space, writes it."""
@@ -751,6 +754,7 @@ def test_a_frozen_rank_ends_the_run_within_the_step_timeout(forked):
     assert run["seconds"] < timeout + 30, run["seconds"]  # the timeout, plus polling and a loaded machine
 
 
+@pytest.mark.slow
 def test_a_collective_timeout_is_one_line_per_rank(forked):
     run = forked["stalls"]["collective"]
     log = run["log"]

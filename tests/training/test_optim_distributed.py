@@ -42,6 +42,7 @@ def report(reports: list[dict]) -> dict:
     return reports[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["fsdp", "hsdp_tied_fused"])
 def test_sharded_training_matches_single_process(report: dict, scenario: str) -> None:
     result = report[scenario]

@@ -81,6 +81,7 @@ def run_check(argv: list[str], capsys) -> tuple[int, str, list[str]]:
     return code, captured.out, captured.err.strip().splitlines()
 
 
+@pytest.mark.slow
 def test_check_prints_the_plan_of_every_shipped_config(checkout, hub_standin, monkeypatch, capsys):
     monkeypatch.chdir(checkout)
     for name in SHIPPED:

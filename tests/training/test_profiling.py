@@ -11,6 +11,7 @@ from titan_recur.config import ConfigError, load_config
 from titan_recur.training.profiling import trace_path
 
 
+@pytest.mark.slow
 def test_a_debug_run_writes_a_trace_and_a_memory_profile_of_the_chosen_step(tmp_path):
     dump = tmp_path / "run"
     done = subprocess.run(

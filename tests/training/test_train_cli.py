@@ -113,6 +113,7 @@ def test_unknown_key_in_config_file_names_the_file(tmp_path, capsys):
     assert str(bad) in err and "unknown key 'learning_rate'" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_world_size_not_divisible_by_mesh_fails_on_every_rank(tmp_path):
     with pytest.raises(AssertionError) as failure:
         run_torchrun(
@@ -152,6 +153,7 @@ def logged_steps(dump: Path) -> int:
     return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
+@pytest.mark.slow
 def test_ctrl_c_writes_a_checkpoint_like_sigterm_and_says_one_line(tmp_path):
     """Ctrl-C during training: the step ends, its checkpoint is written, exit 42 (requeue or rerun resumes),
     no traceback; the run says at once what it will do."""
@@ -167,6 +169,7 @@ def test_ctrl_c_writes_a_checkpoint_like_sigterm_and_says_one_line(tmp_path):
     assert f"preemption signal at step {stopped}: checkpoint {dump / 'checkpoints' / f'step-{stopped}'}" in output
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
     dump, log = tmp_path / "run", tmp_path / "run.log"
     proc = start_interruptible([sys.executable, *debug_run_argv(dump, *INTERRUPT_RUN)], log)

@@ -127,6 +127,7 @@ def test_hsdp_two_by_two_matches_single_process(model_dir, tmp_path):
     assert_runs_agree(torch.load(single_out), torch.load(multi_out), "muon")
 
 
+@pytest.mark.slow
 def test_one_optimizer_step_issues_the_same_collectives_for_every_depth(model_dir, tmp_path):
     """Per optimizer step, whatever (n, k): the core (one FSDP unit) is all-gathered once in forward and at
     most once more for backward, reduce-scattered once; the step's scalars take one all-reduce; and
