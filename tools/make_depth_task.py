@@ -19,9 +19,10 @@ Three tasks:
 - mod10: chains of + and - digit operations mod 10 (``Question: 6 + 5 - 7 (mod 10)\nAnswer: 4``).
 
 Evaluation questions are distinct within a length and held out of the training file by construction
-wherever the length has at least twice as many questions as are drawn (a training draw that hits one
-is drawn again); shorter lengths (perm: 8 x 2^k questions, so 1-4 at 100 per length) cannot be held
-out, and the output and task.json say which lengths are which. Lengths beyond training (the
+wherever the length has enough questions: twice as many as are drawn for perm and mod10, ten times for
+arith, whose questions are far from equally likely (a training draw that hits one is drawn again).
+Shorter lengths (perm: 8 x 2^k questions, so 1-4 at 100 per length; arith: 230 at length 1) are not
+held out, and the output and task.json say which lengths are which. Lengths beyond training (the
 extrapolation split, perm and arith 13-16 by default) are held out by definition.
 
 Writes under OUT (fixed seeds, deterministic):
@@ -185,13 +186,19 @@ def arith_questions(length: int) -> int:
 
 @dataclass(frozen=True)
 class Task:
-    """A task's question maker, the number of distinct questions of each length, and its default lengths."""
+    """A task's question maker, the number of distinct questions of each length, its default lengths, and how
+    many questions a length needs per evaluation draw for its evaluation questions to be held out of training."""
 
     name: str
     make: Callable[[random.Random, int], dict[str, object]]
     questions: Callable[[int], int]
     lengths: range = range(1, 13)
     extrapolation: range | None = range(13, 17)
+    # Why arith needs more than 2: distinct draws from a skewed distribution take its likeliest questions
+    # first (`a = 3 ; b = a - a` has probability 1/60, `a = 3 ; b = a + 5` 1/540). At length 1 the 100 drawn
+    # of 230 carry ~70% of the mass; held out, they left training the rare rest (make_mini_source.sh's
+    # 1-2 phase: no `b = a + a` or `b = a - a` at all) and evaluated exactly what it never saw.
+    hold_out_factor: int = 2
 
 
 TASK_NAMES = ("perm", "mod10", "arith")
@@ -218,11 +225,11 @@ def generate(
     """One evaluation split per length (distinct questions wherever the length has enough), the training
     records, and the shuffled validation file (the in-range evaluation questions), from one seed.
 
-    Held out by construction: an evaluation question of a length whose questions are at least twice as
-    many as the evaluation draws never occurs in the training file (a training draw that hits one is
-    redrawn). Shorter lengths have too few questions to hold out (perm: 8 x 2^k, so 1-4 at 100 questions
-    per length): their evaluation measures questions training may have seen. Returns the splits and the
-    held-out lengths.
+    Held out by construction: an evaluation question of a length whose questions are at least
+    task.hold_out_factor times as many as the evaluation draws never occurs in the training file (a
+    training draw that hits one is redrawn). Shorter lengths have too few questions to hold out (perm:
+    8 x 2^k, so 1-4 at 100 questions per length; arith: 230 at length 1): their evaluation measures
+    questions training may have seen. Returns the splits and the held-out lengths.
     """
     rng = random.Random(seed)
     splits: dict[str, list[dict]] = {}
@@ -231,7 +238,7 @@ def generate(
     for n in [*eval_lengths, *(extrapolation_lengths or [])]:
         rows = draw_questions(task, rng, n, eval_examples)
         splits[f"eval_{n}"] = [record(row) for row in rows]
-        if n not in train_lengths or task.questions(n) >= 2 * eval_examples:
+        if n not in train_lengths or task.questions(n) >= task.hold_out_factor * eval_examples:
             held_out.append(n)
             held_out_prompts |= {row["prompt"] for row in rows}
     train: list[dict] = []
@@ -403,7 +410,8 @@ def build_task(ns: argparse.Namespace) -> tuple[Task, dict[str, object]]:
         }
         return Task("perm", lambda rng, n: perm_example(rng, perms, n), perm_questions), params
     if ns.task == "arith":
-        return Task("arith", arith_example, arith_questions), {"task": "arith", "modulus": MODULUS}
+        task = Task("arith", arith_example, arith_questions, hold_out_factor=10)
+        return task, {"task": "arith", "modulus": MODULUS}
     lengths = range(1, ns.max_steps + 1)
     return Task("mod10", mod10_example, mod10_questions, lengths, None), {"task": "mod10", "modulus": MODULUS}
 

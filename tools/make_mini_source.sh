@@ -17,8 +17,10 @@
 #   5. gate      the harness at every training length 1-6: each must be >= 0.99 exact match, else exit 1
 #                (a source that has not learned its lengths gives no retrofit effect: docs/results.md)
 # --layers N builds the same recipe with N blocks (default 4; docs/surgery.md's study uses 6). --task arith
-# builds it on the variable-binding arithmetic task instead (rows of 160 tokens; then
-# bash tools/reproduce_mini.sh --task arith --source OUT/hf). --install copies the checked folder to
+# builds it on the variable-binding arithmetic task instead (then bash tools/reproduce_mini.sh --task arith
+# --source OUT/hf): rows of 160 tokens, 6,000 steps, and phases 1-1 -> 1-2 (step 1000) -> 1-4 (step 1600)
+# -> 1-6 (step 2400), because perm's phases starve its one-step bindings (a 1-2 start: 0.20 exact match at
+# length 1 after 1,500 steps; 1-1 alone: 0.74 after 1,000). --install copies the checked folder to
 # assets/perm_llama (perm, 4 layers only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +35,7 @@ while [ $# -gt 0 ]; do
     --install) INSTALL=1 ;;
     --layers) LAYERS=${2:?--layers needs a number}; shift ;;
     --task) TASK=${2:?--task needs perm or arith}; shift ;;
-    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "make_mini_source.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -42,9 +44,12 @@ if ! [[ "$LAYERS" =~ ^[1-9][0-9]*$ ]] || { [ "$INSTALL" = 1 ] && [ "$LAYERS" != 
   echo "make_mini_source.sh: error: --layers takes an integer >= 1 (and --install the default 4), got $LAYERS" >&2
   exit 2
 fi
+# PHASES: training lengths:question seed:first step, one task folder and data phase each; the last is 1-6
+# (the marginals stage and the gate read it).
 case "$TASK" in
-  perm) SEQ_LEN=64 ;;
-  arith) SEQ_LEN=160 ;;  # reproduce_mini.sh's: a 16-step question is ~140 tokens
+  perm) SEQ_LEN=64 STEPS=4000 PHASES="1-2:21:0 1-4:22:300 1-6:1:800" ;;
+  # reproduce_mini.sh's rows (a 16-step question is ~140 tokens); one-step bindings alone first (see above)
+  arith) SEQ_LEN=160 STEPS=6000 PHASES="1-1:20:0 1-2:21:1000 1-4:22:1600 1-6:1:2400" ;;
   *) echo "make_mini_source.sh: error: --task takes perm or arith, got $TASK" >&2; exit 2 ;;
 esac
 if [ "$INSTALL" = 1 ] && [ "$TASK" != perm ]; then
@@ -62,9 +67,18 @@ rm -rf "$OUT"
 mkdir -p "$OUT/configs"
 touch "$OUT/.make_mini_source"
 
-for spec in 1-2:21 1-4:22 1-6:1; do  # training lengths : question seed
-  "$PY" tools/make_depth_task.py --task "$TASK" --out "$OUT/task_${spec%:*}" --train-lengths "${spec%:*}" --eval-lengths 1-12 \
-    --extrapolation-lengths none --seed "${spec#*:}"
+DATA_PHASES=""
+for spec in $PHASES; do
+  IFS=: read -r lengths seed start <<<"$spec"
+  "$PY" tools/make_depth_task.py --task "$TASK" --out "$OUT/task_$lengths" --train-lengths "$lengths" --eval-lengths 1-12 \
+    --extrapolation-lengths none --seed "$seed"
+  DATA_PHASES+="[[data.phases]]
+start_step = $start
+[[data.phases.sources]]
+path = \"$OUT/task_$lengths/train.jsonl\"
+kind = \"jsonl\"
+format = \"prompt_completion\"
+"
 done
 
 cat > "$OUT/configs/pretrain.toml" <<TOML
@@ -82,7 +96,7 @@ ffn_dim = 256
 vocab_size = 512
 
 [training]
-steps = 4000
+steps = $STEPS
 local_batch_size = 16
 seq_len = $SEQ_LEN
 compile = false
@@ -109,25 +123,7 @@ keep_latest_k = 1
 
 [data]
 tokenizer = "assets/tokenizer"
-[[data.phases]]
-start_step = 0
-[[data.phases.sources]]
-path = "$OUT/task_1-2/train.jsonl"
-kind = "jsonl"
-format = "prompt_completion"
-[[data.phases]]
-start_step = 300
-[[data.phases.sources]]
-path = "$OUT/task_1-4/train.jsonl"
-kind = "jsonl"
-format = "prompt_completion"
-[[data.phases]]
-start_step = 800
-[[data.phases.sources]]
-path = "$OUT/task_1-6/train.jsonl"
-kind = "jsonl"
-format = "prompt_completion"
-
+${DATA_PHASES}
 [metrics]
 log_freq = 100
 enable_tensorboard = false

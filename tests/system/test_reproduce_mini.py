@@ -100,6 +100,22 @@ def test_evaluation_questions_are_held_out_of_training(depth_task, tmp_path: Pat
     assert {row["length"] for row in read_jsonl(tmp_path / "validation.jsonl")} == set(range(1, 13))
 
 
+def test_arith_trains_on_the_one_step_questions_it_evaluates(depth_task, tmp_path: Path) -> None:
+    """Arith length 1 has 230 questions against 100 drawn, and distinct draws take the likeliest first (every
+    ``b = a - a``): held out, they left training without those bindings while evaluation asked them. Length 1
+    is not held out, and training covers all of its questions."""
+    assert depth_task.arith_questions(1) == 230
+    assert depth_task.main(["--task", "arith", "--out", str(tmp_path)]) == 0
+    params = json.loads((tmp_path / "task.json").read_text())
+    assert params["held_out_lengths"] == list(range(2, 17)) and params["not_held_out_lengths"] == [1]
+    train = {row["prompt"] for row in read_jsonl(tmp_path / "train.jsonl") if row["prompt"].count(" ; ") == 2}
+    evaluated = {row["prompt"] for row in read_jsonl(tmp_path / "eval_1.jsonl")}
+    # a start digit and one binding to an earlier variable (``b = a - a``), as the generator spells them
+    binds_a_variable = {p for p in evaluated if p.split(" ; ")[1].split()[-1] in depth_task.ARITH_VARIABLES}
+    assert binds_a_variable and binds_a_variable <= train
+    assert evaluated <= train and len(train) == depth_task.arith_questions(1)
+
+
 def test_arith_answers_and_bindings(depth_task, tmp_path: Path) -> None:
     """Each arith answer equals the bindings evaluated by Python in order (integers, mod 10 at the end)."""
     argv = ["--task", "arith", "--out", str(tmp_path), "--train-examples", "200", "--eval-examples", "20"]
