@@ -8,7 +8,7 @@
 # Stages:
 #   1. task      tools/make_depth_task.py: the permutation word problem (perm seed 0), training chains of
 #                1-2, 1-4 and 1-6 operators (a length curriculum), evaluation lengths 1-12
-#   2. pretrain  titan_recur.training.trainer from scratch (model.dim 128, 4 layers, 4 heads, SwiGLU 256, vocab 512,
+#   2. pretrain  python -m titan_recur.train, from scratch (model.dim 128, 4 layers, 4 heads, SwiGLU 256, vocab 512,
 #                static): 4,000 AdamW steps of 16 x 64 tokens (lr 3e-3, cosine to 0.03x), the loss on the
 #                answers only (format = "prompt_completion"), data phases 1-2 -> 1-4 (step 300) -> 1-6 (step 800)
 #   3. marginals 300 AdamW steps with the loss on every token (format "text"), so that the all-token
