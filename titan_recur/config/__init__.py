@@ -1,5 +1,23 @@
-"""The job config (titan_recur.config.schema), re-exported under its old module name."""
+"""The job config: nested dataclasses loaded from TOML and overridden by ``--section.key value`` flags.
 
+schema.py holds the sections and their types, validate.py the cross-field checks, parse.py the file and
+command-line reading, errors.py ``ConfigError``. Every name importers use is re-exported here (the private
+ones for tests).
+"""
+
+from titan_recur.config.errors import ConfigError
+from titan_recur.config.parse import (
+    _hints,
+    _option_type,
+    _options,
+    config_from_dict,
+    config_to_dict,
+    config_to_json,
+    format_help,
+    load_config,
+    parse_args,
+    read_config_file,
+)
 from titan_recur.config.schema import (
     AC_MODES,
     ALLOWED_CHANGES,
@@ -14,7 +32,6 @@ from titan_recur.config.schema import (
     ACMode,
     AllowedChange,
     Checkpoint,
-    ConfigError,
     Data,
     DataFormat,
     DataPhase,
@@ -36,18 +53,10 @@ from titan_recur.config.schema import (
     SourceKind,
     Training,
     Validation,
-    _hints,
-    _option_type,
-    _options,
-    config_from_dict,
-    config_to_dict,
-    config_to_json,
-    format_help,
-    grad_accum_steps,
-    load_config,
     opt,
-    parse_args,
-    read_config_file,
+)
+from titan_recur.config.validate import (
+    grad_accum_steps,
     validate,
 )
 
@@ -70,7 +79,6 @@ __all__ = [
     "DecayType",
     "DECAY_TYPES",
     "FINAL_MODEL_FOLDER",
-    "ConfigError",
     "opt",
     "Job",
     "Model",
@@ -88,12 +96,13 @@ __all__ = [
     "Profiling",
     "Debug",
     "JobConfig",
+    "ConfigError",
+    "validate",
+    "grad_accum_steps",
     "config_from_dict",
     "config_to_dict",
     "config_to_json",
     "format_help",
-    "validate",
-    "grad_accum_steps",
     "read_config_file",
     "load_config",
     "parse_args",
