@@ -1,7 +1,8 @@
-"""Shared fixtures: tiny HF source checkpoints built on the fly (random weights, fixed seed, offline)."""
+"""Shared fixtures: tiny HF source checkpoints and tiny model folders, built once per session (random weights, offline)."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -104,3 +105,23 @@ def tiny_hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[st
         return built[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``make_model_dir``'s tiny recurrent model folder (zero state init), built once per session; read only."""
+    from tests.tiny_models import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def normal_init_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model with a recurrent state drawn from the global RNG, so that a resume is exact only if it
+    restores the RNG; built once per session; read only."""
+    from tests.tiny_models import make_model_dir
+    from titan_recur.storage.model_io import read_model_args, write_model_args
+
+    folder = make_model_dir(tmp_path_factory.mktemp("normal_init_model"))
+    write_model_args(dataclasses.replace(read_model_args(folder), state_init="normal"), folder)
+    return folder

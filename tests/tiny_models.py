@@ -1,14 +1,18 @@
-"""The tiny model shapes the unit tests share: random init, CPU, milliseconds per forward."""
+"""The tiny model shapes and model folders the tests share: random init, CPU, milliseconds per forward."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.model import RecurrentLM
+from titan_recur.storage.model_io import save_model
 
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 # d 32, 4 query / 2 KV heads of 8 (GQA, head_dim != dim / heads), one prelude, two core and one coda block.
 TINY: dict[str, Any] = dict(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, n_prelude=1, n_core=2, n_coda=1)
 # The same layout twice as wide: where a test needs d 64 (FLOP shapes, bf16 rounding, longer contexts).
@@ -26,3 +30,16 @@ def tiny_model(args: ModelArgs, seed: int = 0, std: float = 0.02) -> RecurrentLM
     model = RecurrentLM(args)
     model.init_weights(std)
     return model
+
+
+def make_model_dir(folder: Path, **overrides: Any) -> Path:
+    """A tiny model folder as a conversion writes it, with the bundled tokenizer (vocab 512); zero state init
+    keeps runs comparable. ``overrides`` replace ModelArgs fields."""
+    args = tiny_args(512, **{"ffn_dim": 64, "state_init": "zero", "adapter_init": "random", **overrides})
+    torch.manual_seed(0)
+    model = RecurrentLM(args)
+    model.init_weights()
+    save_model(model, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS / "tokenizer" / name, folder / name)
+    return folder

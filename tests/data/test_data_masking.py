@@ -253,7 +253,7 @@ LONG_PROMPTS = [(" ".join(["a b"] * 20) + " =", " 5")]
 
 def test_a_step_without_a_labelled_token_is_skipped_and_counted(tmp_path, capsys):
     """It raised ZeroDivisionError at the same step on every rerun (training, and validation on such data)."""
-    from tests.storage.test_checkpoint import read_checkpoint
+    from tests.tiny_runs import read_checkpoint
     from titan_recur.cli.train import main
 
     path = write_records(tmp_path / "qa.jsonl", LONG_PROMPTS, 8)

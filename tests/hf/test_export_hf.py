@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny_models import make_model_dir
 from tests.torchrun_util import load_tool
-from tests.training.test_train_distributed import make_model_dir
 from titan_recur import ModelArgs, RecurrentLM, greedy_generate, load_model, save_model
 from titan_recur.convert.surgery import ConvertOptions, convert, plan_layers
 from titan_recur.hf.export import ExportError, export_hf, lm_eval_command, standalone_modeling_source

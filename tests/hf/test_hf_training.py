@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.hf.test_export_hf import BLOCK_TITAN_RECUR
-from tests.training.test_train_distributed import make_model_dir
+from tests.tiny_models import make_model_dir
 from titan_recur import greedy_generate, load_model
 from titan_recur.hf.export import export_hf
 from titan_recur.models.loss import cross_entropy_loss

@@ -8,275 +8,42 @@ See docs/checkpointing.md.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
-import pickle
 import random
-import re
 import shutil
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from safetensors.torch import load_file
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.torchrun_util import REPO_ROOT, WORKERS_DIR, run_torchrun
-from tests.training.test_train_distributed import make_model_dir
-from titan_recur.models.model import RecurrentLM
-from titan_recur.storage.checkpoint import ModelState, load_from, scan_checkpoints
-from titan_recur.storage.model_io import WEIGHTS_NAME, read_model_args, write_model_args
+from tests.tiny_runs import (
+    CORPUS_DATA,
+    LAUNCH_TIMEOUT,
+    TRAIN,
+    assert_equal_nested,
+    assert_logged_as_reference,
+    assert_same_final_model,
+    error_line,
+    kill_group,
+    load_model_from_step,
+    read_checkpoint,
+    read_metrics,
+    resumed_step,
+    run_single_jobs,
+    start_ranks,
+    start_torchrun,
+    wait_for_step,
+    write_config,
+)
+from tests.torchrun_util import REPO_ROOT, run_torchrun
+from titan_recur.storage.checkpoint import scan_checkpoints
 from titan_recur.training.trainer import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP reads here, no process group
-TRAIN = ["-m", "titan_recur.train"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
-LAUNCH_TIMEOUT = 240
-CORPUS = REPO_ROOT / "assets" / "corpus"
-
-CONFIG = """
-[job]
-seed = 0
-deterministic = true
-
-[model]
-path = "{model}"
-
-[training]
-steps = 12
-local_batch_size = 2
-global_batch_size = 8
-seq_len = 16
-ac_mode = "per_iteration"
-
-[recurrence]
-mean_recurrence = 3
-backprop_depth = 2
-curriculum = "linear"
-warmup_fraction = 0.5
-
-[optimizer]
-name = "muon"
-lr = 0.01
-adamw_lr = 0.003
-
-[checkpoint]
-interval = 3
-keep_latest_k = 2
-
-[metrics]
-log_freq = 1
-enable_tensorboard = false
-"""
-CORPUS_DATA = f"""
-[[data.sources]]
-name = "general"
-path = "{CORPUS / "general.jsonl"}"
-kind = "jsonl"
-shuffle_buffer = 8
-
-[[data.sources]]
-name = "math"
-path = "{CORPUS / "math.jsonl"}"
-kind = "jsonl"
-shuffle_buffer = 8
-"""
-
-
-def write_config(path: Path, model: Path, data: str) -> Path:
-    path.write_text(CONFIG.format(model=model) + data)
-    return path
-
-
-# ------------------------------------------------------------------------------------------ helpers
-
-
-def read_metrics(dump: Path) -> list[dict]:
-    """Complete lines of metrics.jsonl (a line being written while a run is killed is skipped)."""
-    path = dump / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return records
-
-
-def assert_logged_as_reference(records: list[dict], reference: list[dict], note: str = "") -> None:
-    """Every logged loss and grad norm equals the reference run's at the same step, bit for bit."""
-    ref = {r["step"]: r for r in reference}
-    for r in records:
-        step = r["step"]
-        assert (r["loss"], r["grad_norm"]) == (ref[step]["loss"], ref[step]["grad_norm"]), f"step {step} {note}"
-
-
-def assert_same_final_model(dump: Path, reference: Path) -> None:
-    got, want = (load_file(str(d / "final_model" / WEIGHTS_NAME)) for d in (dump, reference))
-    assert got.keys() == want.keys()
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
-
-
-def read_checkpoint(folder: Path, tmp: Path) -> dict:
-    """Everything in a DCP step folder (tensors and the pickled non-tensor state), without a process group."""
-    out = tmp / f"{folder.parent.parent.name}-{folder.name}.pt"
-    dcp_to_torch_save(folder, out)
-    return torch.load(out, weights_only=False)
-
-
-def assert_equal_nested(a: object, b: object, path: str = "") -> None:
-    if isinstance(a, bytes):  # a rank-local pickled blob: compare what it holds
-        assert isinstance(b, bytes), path
-        assert_equal_nested(pickle.loads(a), pickle.loads(b), path)
-    elif isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), path
-        for key in a:
-            assert_equal_nested(a[key], b[key], f"{path}.{key}")
-    else:
-        assert a == b, path
-
-
-def load_model_from_step(model_dir: Path, folder: Path) -> dict[str, torch.Tensor]:
-    model = RecurrentLM(read_model_args(model_dir))
-    load_from(folder, {"model": ModelState(model)})
-    return model.state_dict()
-
-
-def start_torchrun(args: list[str], log: Path) -> subprocess.Popen:
-    """torchrun with 2 ranks in a new session, output to ``log``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
-    with open(log, "w") as out:
-        return subprocess.Popen(
-            cmd, cwd=REPO_ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-
-def start_ranks(args: list[str], nproc: int, logs: Path) -> list[subprocess.Popen]:
-    """One process per rank without a launcher (as ``srun`` starts them), so each exit code is visible."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(nproc):
-        env = {
-            **ENV,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(nproc),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(nproc),
-        }
-        with open(logs / f"rank{rank}.log", "w") as out:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, *args],
-                    cwd=REPO_ROOT,
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-    return procs
-
-
-def wait_for_step(dump: Path, step: int, procs: list[subprocess.Popen], log: Path, logged_before: int = 0) -> None:
-    """Until this launch (the metrics lines after ``logged_before``) has logged ``step`` or a later one."""
-    deadline = time.monotonic() + LAUNCH_TIMEOUT
-    while not any(r["step"] >= step for r in read_metrics(dump)[logged_before:]):
-        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-            for p in procs:
-                _kill_group(p)
-            raise AssertionError(f"run ended or timed out before step {step}:\n{log.read_text()[-6000:]}")
-        time.sleep(0.05)
-
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and all its descendants (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    tree, queue = [], [root]
-    while queue:
-        tree.append(queue.pop())
-        queue += children.get(tree[-1], [])
-    return tree
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process groups of ``proc`` and of every descendant (torchrun starts each worker in its
-    own session, so killing torchrun's group alone would leave the workers running)."""
-    if proc.poll() is None:
-        groups = set()
-        for pid in process_tree(proc.pid):
-            try:
-                groups.add(os.getpgid(pid))
-            except ProcessLookupError:
-                pass
-        for group in groups:
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    proc.wait()
-
-
-def resumed_step(output: str) -> int:
-    """The step a run resumed from, from its log (0: started fresh)."""
-    steps = re.findall(r"\] resumed from \S+ at step (\d+)", output)
-    return int(steps[-1]) if steps else 0
-
-
-def run_single_jobs(jobs: list[dict], tmp: Path) -> list[dict]:
-    """Single-process runs in one interpreter (tests/dist_workers/ckpt_worker.py)."""
-    jobs_file, results_file = tmp / "jobs.json", tmp / "results.json"
-    jobs_file.write_text(json.dumps(jobs))
-    proc = subprocess.run(
-        [sys.executable, str(WORKERS_DIR / "ckpt_worker.py"), str(jobs_file), str(results_file)],
-        cwd=REPO_ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(results_file.read_text())
-
-
-def error_line(result: dict) -> str:
-    """The run's error: exactly one line starting with 'error:' on stderr, and no traceback."""
-    lines = [line for line in result["stderr"].splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in result["stderr"], result["stderr"][-3000:]
-    return lines[0]
-
-
 # ---------------------------------------------------------------------------- kill -9 and SIGTERM
-
-
-@pytest.fixture(scope="module")
-def normal_init_model(tmp_path_factory) -> Path:
-    """A tiny model whose recurrent state starts from the global RNG, so RNG restore matters for exactness."""
-    model = make_model_dir(tmp_path_factory.mktemp("model"))
-    write_model_args(dataclasses.replace(read_model_args(model), state_init="normal"), model)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +90,7 @@ def test_kill9_at_random_steps_resumes_bit_identically(reference, tmp_path):
         log = tmp_path / f"launch{launch}.log"
         proc = start_torchrun(command, log)
         wait_for_step(dump, kill_step, [proc], log, logged_before)
-        _kill_group(proc)
+        kill_group(proc)
         output, records = log.read_text(), read_metrics(dump)[logged_before:]
         assert resumed_step(output) == expected_resume[0], output[-3000:]
         assert records and records[0]["step"] == expected_resume[0] + 1, note
@@ -368,7 +135,7 @@ def test_sigterm_and_sigusr1_checkpoint_exit_42_and_resume_exactly(reference, tm
         codes = [p.wait(timeout=LAUNCH_TIMEOUT) for p in procs]
     finally:
         for p in procs:
-            _kill_group(p)
+            kill_group(p)
     output = (tmp_path / "rank0.log").read_text()
     assert codes == [EXIT_PREEMPTED, EXIT_PREEMPTED], output[-4000:]
     stopped = read_metrics(dump)[-1]["step"]
@@ -402,7 +169,7 @@ def write_tokenized_rows(path: Path, rows: int, seq_len: int, vocab: int) -> Pat
 
 
 @pytest.mark.slow
-def test_resharding_2_to_1_and_1_to_2_continues_with_the_same_losses(tmp_path):
+def test_resharding_2_to_1_and_1_to_2_continues_with_the_same_losses(tiny_model_dir, tmp_path):
     """Model + optimizer reshard through DCP; the data position cannot, so data.reshard = 'restart' is needed.
 
     To compare with runs that never changed size, the data is world-size independent: 48 pre-tokenized
@@ -410,7 +177,7 @@ def test_resharding_2_to_1_and_1_to_2_continues_with_the_same_losses(tmp_path):
     on 2 ranks (local batch 2), and the checkpoint at step 6 ends an epoch exactly: the restarted stream
     (a new epoch from the first row) is the stream an uninterrupted run continues with.
     """
-    model = make_model_dir(tmp_path / "model")  # zero state init: the per-rank RNG plays no part
+    model = tiny_model_dir  # zero state init: the per-rank RNG plays no part
     rows = write_tokenized_rows(tmp_path / "rows.parquet", rows=48, seq_len=16, vocab=512)
     data = f'[[data.sources]]\npath = "{rows}"\nkind = "tokenized"\n'
     config = write_config(tmp_path / "run.toml", model, data)

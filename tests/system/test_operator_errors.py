@@ -465,12 +465,10 @@ def kill9(process) -> None:
 
 
 @pytest.fixture(scope="module")
-def train_config(tmp_path_factory) -> Path:
-    from tests.storage.test_checkpoint import CORPUS_DATA, write_config
-    from tests.training.test_train_distributed import make_model_dir
+def train_config(tiny_model_dir, tmp_path_factory) -> Path:
+    from tests.tiny_runs import CORPUS_DATA, write_config
 
-    root = tmp_path_factory.mktemp("lock")
-    return write_config(root / "run.toml", make_model_dir(root / "model"), CORPUS_DATA)
+    return write_config(tmp_path_factory.mktemp("lock") / "run.toml", tiny_model_dir, CORPUS_DATA)
 
 
 def train(config: Path, dump: Path, *extra: str, wait: bool = True):

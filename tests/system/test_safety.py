@@ -21,13 +21,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.storage.test_checkpoint import (
+from tests.tiny_runs import (
     CORPUS,
     CORPUS_DATA,
     ENV,
     LAUNCH_TIMEOUT,
-    REPO_ROOT,
-    WORKERS_DIR,
     assert_logged_as_reference,
     assert_same_final_model,
     error_line,
@@ -36,8 +34,7 @@ from tests.storage.test_checkpoint import (
     run_single_jobs,
     write_config,
 )
-from tests.torchrun_util import load_tool, run_torchrun
-from tests.training.test_train_distributed import make_model_dir
+from tests.torchrun_util import REPO_ROOT, WORKERS_DIR, load_tool, run_torchrun
 from titan_recur.config import ConfigError, load_config
 from titan_recur.storage.checkpoint import scan_checkpoints, verify_checkpoint
 from titan_recur.storage.manifest import MANIFEST_NAME, IntegrityError
@@ -47,14 +44,6 @@ from titan_recur.training.watchdog import EXIT_STALLED
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 TMPFS_BYTES = 32 << 20
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    """A tiny model whose recurrent state starts from the global RNG (RNG restore matters for exactness)."""
-    folder = make_model_dir(tmp_path_factory.mktemp("model"))
-    write_model_args(dataclasses.replace(read_model_args(folder), state_init="normal"), folder)
-    return folder
 
 
 def one_source_config(root: Path, model: Path) -> Path:
@@ -106,10 +95,10 @@ def tmpfs(folder: Path):
 
 
 @pytest.fixture(scope="module")
-def runs(model, tmp_path_factory) -> dict:
+def runs(normal_init_model, tmp_path_factory) -> dict:
     """Every single-process scenario, in order, in one worker: name -> result, plus the paths."""
     root = tmp_path_factory.mktemp("safety")
-    config = write_config(root / "run.toml", model, CORPUS_DATA)
+    config = write_config(root / "run.toml", normal_init_model, CORPUS_DATA)
     run = [
         "--config",
         str(config),
@@ -134,9 +123,9 @@ def runs(model, tmp_path_factory) -> dict:
         (tokenizer / "tokenizer_config.json").read_text().replace("{", '{"model_max_length": 77, ', 1)
     )
     other_model = root / "other_model"
-    shutil.copytree(model, other_model)
-    write_model_args(dataclasses.replace(read_model_args(model), rope_theta=20000.0), other_model)
-    bad_data = bad_data_configs(root, model)
+    shutil.copytree(normal_init_model, other_model)
+    write_model_args(dataclasses.replace(read_model_args(normal_init_model), rope_theta=20000.0), other_model)
+    bad_data = bad_data_configs(root, normal_init_model)
     base_ckpt, disk = d["base"] / "checkpoints", root / "tmpfs"
 
     def on(dump: Path, *extra: str, config_file: Path = config) -> list[str]:
@@ -181,7 +170,7 @@ def runs(model, tmp_path_factory) -> dict:
         "fp_tokenizer": refused("--data.tokenizer", str(tokenizer)),
         "fp_curriculum": refused("--recurrence.mean_recurrence", "4"),
         "fp_seed": refused("--job.seed", "1"),
-        "fp_data": refused(config_file=one_source_config(root, model)),
+        "fp_data": refused(config_file=one_source_config(root, normal_init_model)),
         "fp_global_batch": refused("--training.global_batch_size", "none"),
         "fp_model": refused("--model.path", str(other_model)),
         "fp_optimizer": refused("--optimizer.lr", "0.02"),
@@ -476,11 +465,11 @@ def test_disk_full_readings_agree_across_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_async_save_on_a_full_disk_and_its_rerun_each_end_in_one_line(model, tmp_path):
+def test_an_async_save_on_a_full_disk_and_its_rerun_each_end_in_one_line(normal_init_model, tmp_path):
     """An async save fills the disk; the same command on the still-full disk fails the same way: each time
     exactly one line on stderr (no warning of the writer thread) and nothing but step-2 left; once space
     is freed, the rerun completes with a silent stderr."""
-    config = write_config(tmp_path / "run.toml", model, CORPUS_DATA)
+    config = write_config(tmp_path / "run.toml", normal_init_model, CORPUS_DATA)
     run = ["--config", str(config), "--training.global_batch_size", "4", "--checkpoint.interval", "2"]
     run += ["--training.steps", "4"]
     disk, base = tmp_path / "tmpfs", tmp_path / "base"
@@ -566,10 +555,10 @@ def test_every_writer_on_a_full_disk_ends_in_one_line_and_leaves_nothing(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_final_export_on_a_full_disk_ends_in_one_line_and_the_rerun_exports(model, tmp_path):
+def test_a_final_export_on_a_full_disk_ends_in_one_line_and_the_rerun_exports(normal_init_model, tmp_path):
     """Training done, its last checkpoint elsewhere: the final model does not fit. One line naming the folder
     and the checkpoint, no final_model/ (nor a temporary) left; the same command, with space, writes it."""
-    config = write_config(tmp_path / "run.toml", model, CORPUS_DATA)
+    config = write_config(tmp_path / "run.toml", normal_init_model, CORPUS_DATA)
     run = ["--config", str(config), "--training.global_batch_size", "4", "--training.steps", "2"]
     base, disk = tmp_path / "base", tmp_path / "tmpfs"
     on_disk = [*run, "--job.dump_folder", str(disk / "run"), "--checkpoint.folder", str(tmp_path / "ckpt")]
@@ -682,12 +671,12 @@ def test_config_checks_the_new_bounds():
 
 
 @pytest.fixture(scope="module")
-def forked(model, tmp_path_factory) -> dict:
+def forked(normal_init_model, tmp_path_factory) -> dict:
     """The 2-rank scenarios, every rank forked from one worker that imported the trainer once: 7 kills
     per async_mode at seeded random moments inside saves (one random rank first), then two launches
     whose rank 1 is frozen by SIGSTOP after step 3 (the step watchdog; the collective timeout)."""
     root = tmp_path_factory.mktemp("forked")
-    config = write_config(root / "run.toml", model, CORPUS_DATA)
+    config = write_config(root / "run.toml", normal_init_model, CORPUS_DATA)
     steps, kills = 22, 7
     seed = int(os.environ.get("TITAN_RECUR_KILL_SEED", "20261202"))
     stall = [

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,6 @@ import pytest
 import torch
 
 from tests.torchrun_util import REPO_ROOT, run_torchrun
-from titan_recur import ModelArgs, RecurrentLM, save_model
 
 WORKER = str(Path("tests") / "dist_workers" / "train_worker.py")
 STEPS = 5
@@ -32,36 +30,6 @@ PARAM_MEDIAN_ATOL = {"adamw": 1e-6, "muon": 1e-5}
 # After a Muon step the two runs' parameters differ by that bf16 rounding, so gradients are compared
 # at 1e-6 where the parameters are still identical (step 1); losses are compared at every step.
 GRAD_STEPS = {"adamw": STEPS, "muon": 1}
-
-
-def make_model_dir(folder: Path, **overrides) -> Path:
-    """A tiny converted model folder with the bundled tokenizer; zero state init keeps runs comparable."""
-    args = ModelArgs(
-        vocab_size=512,
-        dim=32,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=8,
-        ffn_dim=64,
-        n_prelude=1,
-        n_core=2,
-        n_coda=1,
-        state_init="zero",
-        adapter_init="random",
-        **overrides,
-    )
-    torch.manual_seed(0)
-    model = RecurrentLM(args)
-    model.init_weights()
-    save_model(model, folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REPO_ROOT / "assets" / "tokenizer" / name, folder / name)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_model_dir(tmp_path_factory.mktemp("model"))
 
 
 def run_single(args: list[str]) -> None:
@@ -103,13 +71,13 @@ def assert_runs_agree(single: dict, multi: dict, optimizer: str) -> None:
 # and the checkpoint tests train with the debug config's (muon, per_iteration) on 2 ranks.
 @pytest.mark.slow
 @pytest.mark.parametrize(("optimizer", "ac"), [("adamw", "per_iteration"), ("muon", "none")])
-def test_fsdp_two_ranks_match_single_process(model_dir, tmp_path, optimizer, ac):
+def test_fsdp_two_ranks_match_single_process(tiny_model_dir, tmp_path, optimizer, ac):
     """Also: every FSDP unit runs its forward, the untied head's unit included while the loss is chunked
     (4 chunks a micro-batch), so no unit is gathered, resharded or reduced outside FSDP's schedule."""
     extra = ("--optimizer", optimizer, "--ac", ac, "--steps", str(STEPS), "--accum", "2")
     extra += ("--training.loss_chunk_tokens", "8")
-    single_args, single_out = worker_args(model_dir, tmp_path, "single", *extra)
-    multi_args, multi_out = worker_args(model_dir, tmp_path, "multi", *extra)
+    single_args, single_out = worker_args(tiny_model_dir, tmp_path, "single", *extra)
+    multi_args, multi_out = worker_args(tiny_model_dir, tmp_path, "multi", *extra)
     run_single(single_args)
     run_torchrun([WORKER, *multi_args], nproc=2)
     multi = torch.load(multi_out)
@@ -118,22 +86,22 @@ def test_fsdp_two_ranks_match_single_process(model_dir, tmp_path, optimizer, ac)
 
 
 @pytest.mark.slow
-def test_hsdp_two_by_two_matches_single_process(model_dir, tmp_path):
+def test_hsdp_two_by_two_matches_single_process(tiny_model_dir, tmp_path):
     extra = ("--optimizer", "muon", "--ac", "per_iteration", "--steps", str(STEPS))
-    single_args, single_out = worker_args(model_dir, tmp_path, "single", *extra)
-    multi_args, multi_out = worker_args(model_dir, tmp_path, "hsdp", *extra, "--dp-replicate", "2")
+    single_args, single_out = worker_args(tiny_model_dir, tmp_path, "single", *extra)
+    multi_args, multi_out = worker_args(tiny_model_dir, tmp_path, "hsdp", *extra, "--dp-replicate", "2")
     run_single(single_args)
     run_torchrun([WORKER, *multi_args], nproc=4)
     assert_runs_agree(torch.load(single_out), torch.load(multi_out), "muon")
 
 
 @pytest.mark.slow
-def test_one_optimizer_step_issues_the_same_collectives_for_every_depth(model_dir, tmp_path):
+def test_one_optimizer_step_issues_the_same_collectives_for_every_depth(tiny_model_dir, tmp_path):
     """Per optimizer step, whatever (n, k): the core (one FSDP unit) is all-gathered once in forward and at
     most once more for backward, reduce-scattered once; the step's scalars take one all-reduce; and
     titan_recur's code reads one value back to the host (the reduced scalars)."""
     args, out = worker_args(
-        model_dir, tmp_path, "collectives", "--mode", "collectives", "--ac", "per_iteration", "--optimizer", "muon"
+        tiny_model_dir, tmp_path, "collectives", "--mode", "collectives", "--ac", "per_iteration", "--optimizer", "muon"
     )
     run_torchrun([WORKER, *args], nproc=2)
     counts = json.loads(out.read_text())
@@ -156,12 +124,14 @@ def assert_no_recompile_after_warmup(compiled: dict) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_blocks_under_fsdp_match_eager(model_dir, tmp_path):
+def test_compiled_blocks_under_fsdp_match_eager(tiny_model_dir, tmp_path):
     """The production path (blocks and whole core iterations compiled inside FSDP2 units, 2 ranks, AC per
     iteration) over 30 steps of sampled (n, k): no recompile after warm-up, losses equal eager's."""
     common = ("--mode", "compile", "--steps", "30", "--ac", "per_iteration", "--recurrence.curriculum", "none")
-    compiled_args, compiled_out = worker_args(model_dir, tmp_path, "compiled", *common, "--training.compile", "true")
-    eager_args, eager_out = worker_args(model_dir, tmp_path, "eager", *common)
+    compiled_args, compiled_out = worker_args(
+        tiny_model_dir, tmp_path, "compiled", *common, "--training.compile", "true"
+    )
+    eager_args, eager_out = worker_args(tiny_model_dir, tmp_path, "eager", *common)
     run_torchrun([WORKER, *compiled_args], nproc=2, timeout=600)  # a cold inductor cache on a loaded machine
     run_torchrun([WORKER, *eager_args], nproc=2)
     compiled, eager = json.loads(compiled_out.read_text()), json.loads(eager_out.read_text())
