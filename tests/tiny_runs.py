@@ -254,3 +254,27 @@ def error_line(result: dict) -> str:
     lines = [line for line in result["stderr"].splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in result["stderr"], result["stderr"][-3000:]
     return lines[0]
+
+
+# ---------------------------------------------------------------------------- the training worker
+
+WORKER = str(Path("tests") / "dist_workers" / "train_worker.py")
+STEPS = 5  # the optimizer steps of a worker run
+
+
+def run_single(args: list[str]) -> None:
+    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(
+        [sys.executable, WORKER, *args],
+        cwd=REPO_ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def worker_args(model_dir: Path, tmp: Path, name: str, *extra: str) -> tuple[list[str], Path]:
+    out = tmp / f"{name}.pt"
+    return ["--model", str(model_dir), "--dump", str(tmp / name), "--out", str(out), *extra], out

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny_runs import STEPS, WORKER, run_single, worker_args
 from tests.torchrun_util import load_tool, run_torchrun
-from tests.training.test_train_distributed import STEPS, WORKER, run_single, worker_args
 from titan_recur.convert.surgery import ConvertOptions, convert, hf_config_to_model_args, plan_layers, read_source
 from titan_recur.hf.export import export_hf
 from titan_recur.inference.engine import greedy_generate

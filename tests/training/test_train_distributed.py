@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.torchrun_util import REPO_ROOT, run_torchrun
+from tests.tiny_runs import STEPS, WORKER, run_single, worker_args
+from tests.torchrun_util import run_torchrun
 
-WORKER = str(Path("tests") / "dist_workers" / "train_worker.py")
-STEPS = 5
 # AdamW normalises each coordinate by its own gradient history, so a gradient that is ~0 up to 1e-8
 # of reduction-order noise can move its parameter by up to lr in either direction: the only sound
 # per-element bound after s steps is 2 * lr * s. Most parameters must agree far tighter (median check).
@@ -30,24 +26,6 @@ PARAM_MEDIAN_ATOL = {"adamw": 1e-6, "muon": 1e-5}
 # After a Muon step the two runs' parameters differ by that bf16 rounding, so gradients are compared
 # at 1e-6 where the parameters are still identical (step 1); losses are compared at every step.
 GRAD_STEPS = {"adamw": STEPS, "muon": 1}
-
-
-def run_single(args: list[str]) -> None:
-    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run(
-        [sys.executable, WORKER, *args],
-        cwd=REPO_ROOT,
-        env={**__import__("os").environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-
-
-def worker_args(model_dir: Path, tmp: Path, name: str, *extra: str) -> tuple[list[str], Path]:
-    out = tmp / f"{name}.pt"
-    return ["--model", str(model_dir), "--dump", str(tmp / name), "--out", str(out), *extra], out
 
 
 def assert_runs_agree(single: dict, multi: dict, optimizer: str) -> None:
