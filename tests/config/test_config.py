@@ -507,7 +507,7 @@ def test_choice_lists_are_derived_from_the_config_types():
         DataSource,
         LRScheduler,
         Training,
-        _hints,
+        field_types,
     )
     from titan_recur.models.args import CURRICULUM_KINDS
     from titan_recur.training import parallelize
@@ -519,10 +519,14 @@ def test_choice_lists_are_derived_from_the_config_types():
         return tuple(actions[0].choices)
 
     assert choices(prepare_data.build_parser(), "--kind") == TEXT_SOURCE_KINDS
-    assert choices(prepare_data.build_parser(), "--sample-by") == SAMPLE_BY == get_args(_hints(DataSource)["sample_by"])
+    assert (
+        choices(prepare_data.build_parser(), "--sample-by")
+        == SAMPLE_BY
+        == get_args(field_types(DataSource)["sample_by"])
+    )
     assert choices(eval_cli.build_parser(), "--kind") == TEXT_SOURCE_KINDS
-    assert set(TEXT_SOURCE_KINDS) == set(get_args(_hints(DataSource)["kind"])) - {"tokenized"}
+    assert set(TEXT_SOURCE_KINDS) == set(get_args(field_types(DataSource)["kind"])) - {"tokenized"}
     assert choices(flops.build_parser(), "--curriculum") == CURRICULUM_KINDS
-    assert MIXED_PRECISION_MODES == get_args(_hints(Training)["mixed_precision_mode"])
+    assert MIXED_PRECISION_MODES == get_args(field_types(Training)["mixed_precision_mode"])
     assert parallelize.MIXED_PRECISION_MODES is MIXED_PRECISION_MODES
-    assert DECAY_TYPES == get_args(_hints(LRScheduler)["decay_type"])
+    assert DECAY_TYPES == get_args(field_types(LRScheduler)["decay_type"])

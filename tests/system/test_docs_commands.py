@@ -224,7 +224,7 @@ def problems_of(command: Command, help_texts: dict) -> list[str]:
                 flag = token.split("=", 1)[0]
                 if trainer_args and "." in flag:
                     try:
-                        config._option_type(flag[2:], config._options())
+                        config.option_type(flag[2:], config.option_types())
                     except config.ConfigError as err:
                         problems.append(str(err))
                 elif not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", known):

@@ -1,20 +1,19 @@
 """The job config: nested dataclasses loaded from TOML and overridden by ``--section.key value`` flags.
 
 schema.py holds the sections and their types, validate.py the cross-field checks, parse.py the file and
-command-line reading, errors.py ``ConfigError``. Every name importers use is re-exported here (the private
-ones for tests).
+command-line reading, errors.py ``ConfigError``. Every name importers use is re-exported here.
 """
 
 from titan_recur.config.errors import ConfigError
 from titan_recur.config.parse import (
-    _hints,
-    _option_type,
-    _options,
     config_from_dict,
     config_to_dict,
     config_to_json,
+    field_types,
     format_help,
     load_config,
+    option_type,
+    option_types,
     parse_args,
     read_config_file,
 )
@@ -106,7 +105,7 @@ __all__ = [
     "read_config_file",
     "load_config",
     "parse_args",
-    "_hints",
-    "_option_type",
-    "_options",
+    "field_types",
+    "option_type",
+    "option_types",
 ]

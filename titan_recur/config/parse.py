@@ -23,7 +23,7 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
-from titan_recur.config.errors import ConfigError, _suggest
+from titan_recur.config.errors import ConfigError, suggest
 from titan_recur.config.schema import JobConfig
 from titan_recur.config.validate import validate
 from titan_recur.utils.resources import find_config
@@ -38,7 +38,7 @@ _FALSE = ("false", "0", "no")
 
 
 @cache
-def _hints(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
     """Field name -> resolved type of a config dataclass."""
     return get_type_hints(cls)
 
@@ -114,10 +114,10 @@ def _from_value(value: Any, tp: Any, source: str, path: tuple[str | int, ...]) -
 
 
 def _build(cls: type, values: dict[str, Any], source: str, path: tuple[str | int, ...]) -> Any:
-    hints = _hints(cls)
+    hints = field_types(cls)
     for key in values:
         if key not in hints:
-            hint = _suggest(key, list(hints))
+            hint = suggest(key, list(hints))
             what = f"unknown section {key!r}" if not path else f"{_render(path)} unknown key {key!r}"
             raise ConfigError(f"{source}: {what}" + (f" (did you mean {hint!r}?)" if hint else ""))
     return cls(**{k: _from_value(v, hints[k], source, path + (k,)) for k, v in values.items()})
@@ -149,9 +149,13 @@ class _Entry:
 _DROP = object()  # the parsed value of ``--ARRAY.N none``
 
 
-def _options() -> dict[str, Any]:
+def option_types() -> dict[str, Any]:
     """``"section.key"`` -> type, for every settable option."""
-    return {f"{section}.{key}": tp for section, cls in _hints(JobConfig).items() for key, tp in _hints(cls).items()}
+    return {
+        f"{section}.{key}": tp
+        for section, cls in field_types(JobConfig).items()
+        for key, tp in field_types(cls).items()
+    }
 
 
 def _from_text(text: str, tp: Any) -> Any:
@@ -182,11 +186,11 @@ def _from_text(text: str, tp: Any) -> Any:
 
 
 def _unknown_option(name: str, choices: Sequence[str]) -> ConfigError:
-    hint = _suggest(name, choices)
+    hint = suggest(name, choices)
     return ConfigError(f"{_CLI}: unknown option --{name}" + (f" (did you mean --{hint}?)" if hint else ""))
 
 
-def _option_type(name: str, options: dict[str, Any]) -> Any:
+def option_type(name: str, options: dict[str, Any]) -> Any:
     """Type of ``section.key``, or of a field inside arrays of tables: ``data.phases.1.sources.0.path``."""
     parts = name.split(".")
     head = ".".join(parts[:2])
@@ -204,14 +208,14 @@ def _option_type(name: str, options: dict[str, Any]) -> Any:
             return _Entry
         cls = get_args(tp)[0]
         key, *rest = rest
-        if key not in _hints(cls):
-            raise _unknown_option(name, [f"{prefix}.{k}" for k in _hints(cls)])
-        tp, prefix = _hints(cls)[key], f"{prefix}.{key}"
+        if key not in field_types(cls):
+            raise _unknown_option(name, [f"{prefix}.{k}" for k in field_types(cls)])
+        tp, prefix = field_types(cls)[key], f"{prefix}.{key}"
     return tp
 
 
 def _assign(cfg: JobConfig, name: str, value: Any) -> None:
-    """Set option ``name`` (see _option_type); entry number len(array) appends a table of defaults.
+    """Set option ``name`` (see option_type); entry number len(array) appends a table of defaults.
 
     ``value`` _DROP removes the entry ``name`` names; the entries after it move up by one.
     """
@@ -235,7 +239,7 @@ def _assign(cfg: JobConfig, name: str, value: Any) -> None:
             )
         if index == len(entries):
             table: type = type(obj)
-            entries.append(get_args(_hints(table)[key])[0]())
+            entries.append(get_args(field_types(table)[key])[0]())
         obj = entries[index]
     setattr(obj, parts[-1], value)
 
@@ -245,13 +249,13 @@ def _parse_overrides(argv: Sequence[str]) -> list[tuple[str, Any]]:
 
     Fields inside arrays of tables take the entry number: ``--data.sources.0.path v``.
     """
-    options, out, i = _options(), [], 0
+    options, out, i = option_types(), [], 0
     while i < len(argv):
         token = argv[i]
         if not token.startswith("--"):
             raise ConfigError(f"{_CLI}: unexpected argument {token!r} (options are --section.key value)")
         name, eq, text = token[2:].partition("=")
-        tp = _option_type(name, options)
+        tp = option_type(name, options)
         if _is_table_list(tp):
             raise ConfigError(
                 f"{_CLI}: --{name} is an array of tables; set a field of entry N as --{name}.N.key "
@@ -309,7 +313,7 @@ def _field_help(cls: type, table: str, indent: str, cli: bool) -> list[str]:
     """Help lines for each field of ``cls`` (the TOML table ``table``); arrays of tables are file-only."""
     lines, defaults, pad = [], cls(), indent + "    "
     for f in dataclasses.fields(cls):
-        tp, default, doc = _hints(cls)[f.name], getattr(defaults, f.name), f.metadata["help"]
+        tp, default, doc = field_types(cls)[f.name], getattr(defaults, f.name), f.metadata["help"]
         if _is_table_list(tp):
             lines.append(f"{indent}[[{table}.{f.name}]] (array of tables; default {default!r})")
             doc += " Each table has:"
@@ -349,7 +353,7 @@ def format_help(prog: str = "train") -> str:
         "F of --gpu NAME's peak, e.g. h100), then exits: 0 when every check passed, 2 otherwise. No",
         "accelerator, process group or file write is needed.",
     ]
-    for section, cls in _hints(JobConfig).items():
+    for section, cls in field_types(JobConfig).items():
         lines += ["", f"[{section}] {cls.__doc__}"]
         lines += _field_help(cls, section, "  ", cli=True)
     return "\n".join(lines)

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from titan_recur.config.errors import ConfigError, _suggest
+from titan_recur.config.errors import ConfigError, suggest
 from titan_recur.config.schema import FINAL_MODEL_FOLDER, RECORD_SOURCE_KINDS, Data, JobConfig, Model, Training
 from titan_recur.models.args import PRESETS
 from titan_recur.utils.limits import MAX_RECURRENCE
@@ -71,7 +71,7 @@ def _validate_model(m: Model) -> None:
     if not m.preset:
         _require(not m.shape, "model.shape only applies with model.preset")
         return
-    hint = _suggest(m.preset, list(PRESETS))
+    hint = suggest(m.preset, list(PRESETS))
     known = f" (did you mean {hint!r}?)" if hint else f"; known: {', '.join(PRESETS)}"
     _require(m.preset in PRESETS, f"unknown model.preset {m.preset!r}{known}")
     try:
