@@ -439,6 +439,13 @@ def test_the_readme_cost_table_is_the_cost_models():
     assert shown == cost_table.table(0.4)
 
 
+def test_the_readme_quotes_one_suite_time():
+    """The suite's time is a measured figure that changes: README.md states it in one place (its Tests section)."""
+    readme = (REPO / "README.md").read_text()
+    quoted = re.findall(r"\b\d+:\d\d\s+on\s+2\s+cores|~\s*\d+\s+min(?:utes)?\s+on\s+2\s+cores", readme)
+    assert len(quoted) == 1, quoted
+
+
 def test_the_readme_example_output_folders_are_gitignored():
     """Running the README's commands in a checkout must not leave untracked outputs for `git add -A` to take:
     every relative folder they name that the repository does not hold (outputs/, out/, hf_out/, ...)."""
