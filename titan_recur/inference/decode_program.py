@@ -159,7 +159,7 @@ class DecodeProgram:
             self.active = zeros(rows, dtype=torch.bool)
             self.write_rows = zeros(rows, dtype=torch.bool)  # the cache's row mask while the program runs
             self.kept_logits = zeros(rows, 1, args.vocab_size, dtype=dtype)  # logits of each row's exit check
-            self.criterion = ExitCriterion(
+            self.criterion = ExitCriterion.create(
                 cast(str, opts.exit_criterion), cast(float, opts.exit_threshold), self.state, args.vocab_size
             )
         per_call = opts.iterations_per_call or default_iterations_per_call(device)

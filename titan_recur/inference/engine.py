@@ -607,7 +607,7 @@ class _AdaptiveDepth:
         opts, model, cache = decoder.opts, decoder.model, decoder.cache
         num_steps = cast(int, opts.num_steps)  # resolved
         # This loop runs only with an exit criterion, whose threshold resolve filled in.
-        criterion = ExitCriterion(
+        criterion = ExitCriterion.create(
             cast(str, opts.exit_criterion), cast(float, opts.exit_threshold), state, model.args.vocab_size
         )
         active = running.clone()

@@ -63,9 +63,13 @@ class GenerationOptions:
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any], **given: Any) -> GenerationOptions:
-        """The options among ``values`` (a command's parsed flags) and ``given``; other keys are ignored, and a
-        None value (a flag not given) leaves the option at its default."""
+        """The options among ``values`` (a command's parsed flags: other keys are ignored) and ``given`` (each
+        an option: a TypeError for any other name); a None value (a flag not given) leaves the option at its
+        default."""
         names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise TypeError(f"GenerationOptions has no option {', '.join(map(repr, unknown))}")
         return cls(**{k: v for k, v in {**values, **given}.items() if k in names and v is not None})
 
     def resolve(self, args: ModelArgs) -> GenerationOptions:
