@@ -334,6 +334,37 @@ def test_generate_until_refuses_sampling(model_dir: Path) -> None:
         TitanRecurLM(pretrained=str(model_dir))._generation_settings({"do_sample": True, "temperature": 0.7})
 
 
+def test_model_args_take_every_generation_option_with_its_default(model_dir: Path) -> None:
+    """GenerationOptions is the one list of generation knobs: each field is a model_arg (but the per-request
+    budget, EOS and sampling), defaulting to the dataclass' value and converted to the field's type."""
+    import dataclasses
+
+    from lm_eval.utils import simple_parse_args_string
+
+    from titan_recur.eval.lm_eval_model import GENERATION_MODEL_ARGS, NOT_MODEL_ARGS, TitanRecurLM
+    from titan_recur.inference.options import GenerationOptions
+
+    fields = {f.name: f.default for f in dataclasses.fields(GenerationOptions)}
+    assert set(GENERATION_MODEL_ARGS) == set(fields) - set(NOT_MODEL_ARGS)
+    assert set(NOT_MODEL_ARGS) <= set(fields)
+    lm = TitanRecurLM(pretrained=str(model_dir))
+    assert lm.num_steps == lm.model.args.mean_recurrence  # num_steps None: the model's
+    for name in GENERATION_MODEL_ARGS:
+        if name != "num_steps":
+            assert getattr(lm.generation, name) == fields[name], name
+    # Every knob is accepted by name (here: its default given explicitly).
+    lm = TitanRecurLM(pretrained=str(model_dir), **{name: fields[name] for name in GENERATION_MODEL_ARGS})
+    assert all(getattr(lm.generation, n) == fields[n] for n in GENERATION_MODEL_ARGS if n != "num_steps")
+    given = "num_steps=3,exit_criterion=kl,exit_threshold=1,min_steps=2,check_every=2,compile=false,lookahead=3"
+    lm = TitanRecurLM(**simple_parse_args_string(f"pretrained={model_dir},{given}"))
+    assert lm.num_steps == 3 and lm.generation.num_steps is None
+    options = lm.generation_options(4)
+    assert (options.exit_criterion, options.min_steps, options.check_every, options.lookahead) == ("kl", 2, 2, 3)
+    assert type(options.exit_threshold) is float and options.exit_threshold == 1.0 and options.compile is False
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temperature'"):
+        TitanRecurLM(pretrained=str(model_dir), temperature=0.7)
+
+
 def test_gsm8k_cot_recur_task_parses_offline(tmp_path: Path) -> None:
     """tasks/gsm8k_cot_recur.yaml is indexed, and renders 1-shot CoT prompts (on a local stand-in for GSM8K)."""
     from lm_eval.tasks import TaskManager

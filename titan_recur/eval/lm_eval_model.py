@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import torch
 import torch.nn.functional as F
@@ -30,17 +30,22 @@ from titan_recur.eval.loading import default_tokenizer_folder, load_checkpoint, 
 from titan_recur.inference.engine import WARM_START, GenerationOptions, GenerationOutput, generate, left_pad
 from titan_recur.training.validation import check_recurrences
 
+# GenerationOptions fields that are not model_args: each request gives the token budget (max_gen_toks) and
+# the tokenizer the EOS id; lm-eval's tasks decide greedy or sampled decoding, and titan_recur decodes
+# greedily (``_generation_settings``). Every other field is a model_arg, converted to the field's type.
+NOT_MODEL_ARGS = ("max_new_tokens", "eos_id", "generator", "temperature", "top_p", "top_k", "seed")
+GENERATION_MODEL_ARGS = tuple(f.name for f in dataclasses.fields(GenerationOptions) if f.name not in NOT_MODEL_ARGS)
+
 
 @register_model("titan_recur")
 class TitanRecurLM(TemplateLM):
-    """model_args: pretrained=PATH (model folder or DCP step + model_config=FOLDER), num_steps=r (default: the
-    model's mean_recurrence), batch_size, device, dtype (float32|bfloat16), max_length, max_gen_toks,
-    state_init (default: deterministic, see ModelArgs.eval_state_init; "previous" warm-starts generated
-    tokens), tokenizer=FOLDER (default: the model folder); for generation: kv_sharing (full|latest|compress-N),
-    exit_criterion (kl|latent-diff|entropy-diff|argmax), exit_threshold, min_steps, check_every, compile
-    (the fast decode path; default: on a GPU), iterations_per_call (core iterations per compiled piece), draft_steps and lookahead (speculative decoding
-    over depth: the same greedy tokens as num_steps, docs/generation.md); unverified=true loads a model
-    folder that has no manifest (storage/model_io.py).
+    """model_args: pretrained=PATH (model folder or DCP step + model_config=FOLDER), batch_size, device, dtype
+    (float32|bfloat16), max_length, max_gen_toks, tokenizer=FOLDER (default: the model folder);
+    unverified=true loads a model folder that has no manifest (storage/model_io.py); and every field of
+    ``GenerationOptions`` in ``GENERATION_MODEL_ARGS``, with its meaning and default there (KV sharing,
+    adaptive exit, the fast path, speculative decoding: docs/generation.md). Two of them also set scoring:
+    num_steps=r (default: the model's mean_recurrence) and state_init (default: deterministic, see
+    ModelArgs.eval_state_init; "previous" warm-starts generated tokens, scoring starts from the init).
 
     ``num_steps`` and ``exit_threshold`` may be changed between evaluations of the same instance (the
     harness sweep does). ``depth_stats`` accumulates, per task, generated tokens and the core iterations
@@ -50,26 +55,20 @@ class TitanRecurLM(TemplateLM):
     def __init__(
         self,
         pretrained: str,
-        num_steps: int | None = None,
+        *,
         batch_size: int | str = 1,
         device: str | None = "auto",
         dtype: str = "float32",
         max_length: int | None = None,
         max_gen_toks: int = 256,
-        state_init: str | None = None,
         model_config: str | None = None,
         tokenizer: str | None = None,
-        kv_sharing: str = "full",
-        exit_criterion: str | None = None,
-        exit_threshold: float | None = None,
-        min_steps: int = 1,
-        check_every: int = 1,
-        compile: bool | None = GenerationOptions.compile,
-        iterations_per_call: int | None = GenerationOptions.iterations_per_call,
-        draft_steps: int | None = None,
-        lookahead: int = GenerationOptions.lookahead,
         unverified: bool = False,
+        **generation: Any,
     ) -> None:
+        unknown = [name for name in generation if name not in GENERATION_MODEL_ARGS]
+        if unknown:  # as Python words it for a keyword the signature lacks
+            raise TypeError(f"TitanRecurLM.__init__() got an unexpected keyword argument {unknown[0]!r}")
         super().__init__()
         if str(batch_size).startswith("auto"):
             raise ValueError("titan_recur: batch_size=auto is not supported; give a number")
@@ -82,23 +81,15 @@ class TitanRecurLM(TemplateLM):
         )
         self.tokenizer = load_tokenizer(tokenizer or default_tokenizer_folder(pretrained, model_config))
         check_vocab(self.tokenizer, self.model.args.vocab_size)
+        options = GenerationOptions.from_values(generation_values(generation))
         # Scoring starts every position from the init; "previous" only applies to generated tokens.
+        state_init = options.state_init
         self.state_init = self.model.args.eval_state_init if state_init in (None, WARM_START) else state_init
         self.max_length = int(max_length or self.model.args.max_seq_len)
         self.max_gen_toks = int(max_gen_toks)
-        self.generation = GenerationOptions(
-            kv_sharing=kv_sharing,
-            exit_criterion=exit_criterion,
-            exit_threshold=None if exit_threshold is None else float(exit_threshold),
-            min_steps=int(min_steps),
-            check_every=int(check_every),
-            state_init=state_init,
-            compile=None if compile is None else bool(compile),
-            iterations_per_call=None if iterations_per_call is None else int(iterations_per_call),
-            draft_steps=None if draft_steps is None else int(draft_steps),
-            lookahead=int(lookahead),
-        )
-        self.num_steps = self.model.args.mean_recurrence if num_steps is None else int(num_steps)
+        # The depth lives in num_steps (which a sweep changes); generation_options puts it in.
+        self.generation = dataclasses.replace(options, num_steps=None)
+        self.num_steps = self.model.args.mean_recurrence if options.num_steps is None else options.num_steps
         self.depth_stats: dict[str, list[int]] = {}
 
     @classmethod
@@ -290,3 +281,14 @@ def iterations_spent(out: GenerationOutput) -> list[int]:
         return out.speculation.core_iterations.tolist()
     emitted = torch.arange(out.steps.shape[1], device=out.steps.device)[None, :] < out.lengths[:, None]
     return (out.steps * emitted).sum(dim=1).tolist()
+
+
+def generation_values(model_args: dict[str, Any]) -> dict[str, Any]:
+    """Generation model_args converted to their GenerationOptions field's type (lm-eval parses numbers and
+    booleans, Python callers may give strings); None stays None (the field's default)."""
+    hints = get_type_hints(GenerationOptions)
+    converted = {}
+    for name, value in model_args.items():
+        kind = next(t for t in (*get_args(hints[name]), hints[name]) if t is not type(None))
+        converted[name] = kind(value) if value is not None and kind in (int, float, bool) else value
+    return converted

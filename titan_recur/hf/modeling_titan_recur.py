@@ -297,15 +297,15 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         *,
         generation_config: GenerationConfig | None = None,
         generator: torch.Generator | None = None,
-        num_steps: int | None = None,
-        kv_sharing: str = "full",
-        exit_criterion: str | None = None,
-        exit_threshold: float | None = None,
-        min_steps: int = 1,
-        check_every: int = 1,
-        state_init: str | None = None,
-        seed: int | None = None,
-        draft_steps: int | None = None,
+        num_steps: int | None = GenerationOptions.num_steps,
+        kv_sharing: str = GenerationOptions.kv_sharing,
+        exit_criterion: str | None = GenerationOptions.exit_criterion,
+        exit_threshold: float | None = GenerationOptions.exit_threshold,
+        min_steps: int = GenerationOptions.min_steps,
+        check_every: int = GenerationOptions.check_every,
+        state_init: str | None = GenerationOptions.state_init,
+        seed: int | None = GenerationOptions.seed,
+        draft_steps: int | None = GenerationOptions.draft_steps,
         lookahead: int = GenerationOptions.lookahead,
         compile: bool | None = GenerationOptions.compile,
         **kwargs: Any,
@@ -315,11 +315,10 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         The generation config is resolved as transformers' generate resolves it (``generation_config``
         or the model's, then the call's kwargs, then transformers' defaults). Greedy and sampled decoding
         (temperature, top_k, top_p, applied as transformers' warpers apply them) run titan_recur's engine with its
-        test-time depth knobs: num_steps (default config.num_steps, else config.mean_recurrence), kv_sharing,
-        exit_criterion, exit_threshold, min_steps, check_every, state_init ("previous": warm start), draft_steps
-        and lookahead (speculative decoding over depth: drafts at draft_steps, verified at num_steps, the same
-        greedy tokens as plain decoding at num_steps) and compile (the engine's fast decode path: one
-        CUDA graph per token; default on a GPU, see docs/generation.md). Anything
+        test-time depth knobs, ``GenerationOptions``' fields of the same names and defaults (see its docstring):
+        num_steps (default config.num_steps, else config.mean_recurrence), kv_sharing, exit_criterion,
+        exit_threshold, min_steps, check_every, state_init ("previous": warm start; default config.state_init),
+        draft_steps and lookahead (speculative decoding over depth) and compile (the fast decode path). Anything
         else (beam search, repetition_penalty, assisted decoding, logits processors, ...) runs
         transformers' generate through ``forward`` at depth num_steps. Sampling draws from ``generator``, else
         from torch's global RNG (``torch.manual_seed``), else from ``seed`` when given.
@@ -339,7 +338,12 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             device = generator.device if generator is not None else "cpu"
             seed = int(torch.randint(2**62, (), generator=generator, device=device))
         if blockers:
-            if kv_sharing != "full" or exit_criterion is not None or state_init == WARM_START or draft_steps:
+            if (
+                kv_sharing != GenerationOptions.kv_sharing
+                or exit_criterion is not None
+                or state_init == WARM_START
+                or draft_steps
+            ):
                 raise ValueError(
                     f"kv_sharing, exit_criterion, warm start and draft_steps run in titan_recur's engine, which cannot serve "
                     f"{', '.join(blockers)} (it serves greedy and sampled decoding: temperature, top_k, top_p)"
@@ -353,7 +357,14 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         eos = config.eos_token_id
         eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         pad = config.pad_token_id if config.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
-        options = GenerationOptions(
+        # Greedy: GenerationOptions' temperature, top_p and top_k; sampling: the generation config's (a None:
+        # no warper, as in transformers).
+        sampling = {}
+        if sample:
+            temperature, top_p = (1.0 if v is None else v for v in (config.temperature, config.top_p))
+            sampling = dict(temperature=temperature, top_p=top_p, top_k=config.top_k or 0)
+        options = GenerationOptions.from_values(
+            sampling,
             max_new_tokens=max_new_tokens,
             num_steps=num_steps or self.call_default("num_steps") or self.config.mean_recurrence,
             kv_sharing=kv_sharing,
@@ -362,9 +373,6 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             min_steps=min_steps,
             check_every=check_every,
             state_init=state_init or self.config.state_init,
-            temperature=config.temperature if sample else 0.0,
-            top_p=config.top_p if sample else 1.0,
-            top_k=(config.top_k or 0) if sample else 0,
             seed=seed if sample else 0,
             eos_id=eos_ids[0] if eos_ids else None,
             draft_steps=draft_steps,
