@@ -125,3 +125,16 @@ def normal_init_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = make_model_dir(tmp_path_factory.mktemp("normal_init_model"))
     write_model_args(dataclasses.replace(read_model_args(folder), state_init="normal"), folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_export(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``tiny_model_dir`` exported for transformers at mean recurrence EXPORT_MEAN, built once per session; read
+    only (tests that save or change an export copy it first)."""
+    from tests.hf_util import EXPORT_MEAN
+    from titan_recur import load_model
+    from titan_recur.hf.export import export_hf
+
+    out = tmp_path_factory.mktemp("tiny_hf_export") / "hf"
+    export_hf(load_model(tiny_model_dir), out, tokenizer_folder=tiny_model_dir, mean_recurrence=EXPORT_MEAN)
+    return out

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.hf_util import BLOCK_TITAN_RECUR, left_padded_batch
 from tests.tiny_models import make_model_dir
 from tests.torchrun_util import load_tool
 from titan_recur import ModelArgs, RecurrentLM, greedy_generate, load_model, save_model
@@ -41,15 +42,6 @@ def exported(recurrent_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     out = tmp_path_factory.mktemp("export") / "hf"
     export_hf(load_model(recurrent_dir), out, tokenizer_folder=recurrent_dir)
     return out
-
-
-def left_padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    ids = torch.randint(3, 512, (3, 11))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    mask[2, :7] = 0
-    return ids.masked_fill(mask == 0, 0), mask
 
 
 def test_exported_logits_equal_titan_recur(recurrent_dir: Path, exported: Path) -> None:
@@ -88,16 +80,6 @@ def test_exported_generate_equals_greedy_generate(recurrent_dir: Path, exported:
             ids, attention_mask=mask, max_new_tokens=12, do_sample=False, num_steps=r, eos_token_id=None, pad_token_id=0
         )
         assert torch.equal(generated[:, ids.shape[1] :], expected), r
-
-
-BLOCK_TITAN_RECUR = """
-import sys
-class Blocker:
-    def find_spec(self, name, path=None, target=None):
-        if name == "titan_recur" or name.startswith("titan_recur."):
-            raise ImportError("titan_recur is blocked in this process")
-sys.meta_path.insert(0, Blocker())
-"""
 
 
 @pytest.mark.slow

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.hf.test_export_hf import BLOCK_TITAN_RECUR, left_padded_batch
-from tests.hf.test_hf_training import exported, model_dir  # noqa: F401  (fixtures)
+from tests.hf_util import BLOCK_TITAN_RECUR, left_padded_batch
 from titan_recur import greedy_generate, load_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,10 +81,10 @@ json.dump(result, open(out + "/result.json", "w"))
 @pytest.mark.slow
 @pytest.mark.parametrize("version", ["4.57", "5"])
 def test_export_runs_on_transformers(
-    exported: Path,
-    model_dir: Path,
+    tiny_hf_export: Path,
+    tiny_model_dir: Path,
     tmp_path: Path,
-    version: str,  # noqa: F811  (fixtures)
+    version: str,
 ) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if version == "4.57":
@@ -95,7 +94,7 @@ def test_export_runs_on_transformers(
     ids, mask = left_padded_batch()
     torch.save({"ids": ids, "mask": mask}, tmp_path / "inputs.pt")
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(exported), str(tmp_path)],
+        [sys.executable, "-c", SCRIPT, str(tiny_hf_export), str(tmp_path)],
         cwd=tmp_path,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -108,7 +107,7 @@ def test_export_runs_on_transformers(
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["version"].startswith(version + ".")
     outputs = torch.load(tmp_path / "outputs.pt")
-    reference = load_model(model_dir)
+    reference = load_model(tiny_model_dir)
     with torch.no_grad():
         for r in (1, 3):
             assert torch.equal(outputs["logits"][r], reference(ids, r, attention_mask=mask, state_init="zero")), r
@@ -116,7 +115,7 @@ def test_export_runs_on_transformers(
     assert result["beams_equal_without_cache"] and result["assisted_equals_greedy"]
     from titan_recur.data.tokenizer import load_tokenizer
 
-    expected_ids = load_tokenizer(model_dir).encode("What is 3 + 4?", bos=True, eos=False)
+    expected_ids = load_tokenizer(tiny_model_dir).encode("What is 3 + 4?", bos=True, eos=False)
     tokenizer_class = "PreTrainedTokenizerFast" if version == "4.57" else "TokenizersBackend"
     assert result["tokenizer"] == [tokenizer_class, expected_ids]
     assert result["model_inputs"] == ["attention_mask", "input_ids"] and result["trainer_loss"] > 0

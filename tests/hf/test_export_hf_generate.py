@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.hf.test_hf_training import MEAN, batch, exported, load, model_dir  # noqa: F401  (fixtures)
+from tests.hf_util import EXPORT_MEAN, batch, load
 from titan_recur import greedy_generate, load_model
 from titan_recur.inference.engine import GenerationOptions
 from titan_recur.inference.engine import generate as engine_generate
@@ -26,11 +26,11 @@ def tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
 
-def test_sampling_without_temperature_or_top_p(exported: Path, model_dir: Path) -> None:  # noqa: F811
+def test_sampling_without_temperature_or_top_p(tiny_hf_export: Path, tiny_model_dir: Path) -> None:
     """`do_sample=True` alone (generate and pipeline) samples, with transformers' top_k=50, in titan_recur's engine."""
     from transformers import pipeline
 
-    model, tok = load(exported).eval(), tokenizer(exported)
+    model, tok = load(tiny_hf_export).eval(), tokenizer(tiny_hf_export)
     enc = tok("Question: What is 3 + 4?", return_tensors="pt")
     width = enc.input_ids.shape[1]
     sampled = model.generate(**enc, do_sample=True, max_new_tokens=5)
@@ -39,19 +39,25 @@ def test_sampling_without_temperature_or_top_p(exported: Path, model_dir: Path) 
     assert text[0]["generated_text"].startswith("Question:")
     ours = model.generate(**enc, do_sample=True, top_k=0, top_p=0.9, max_new_tokens=6, seed=7)[:, width:]
     options = GenerationOptions(
-        max_new_tokens=6, num_steps=MEAN, temperature=1.0, top_p=0.9, seed=7, eos_id=tok.eos_token_id, state_init="zero"
+        max_new_tokens=6,
+        num_steps=EXPORT_MEAN,
+        temperature=1.0,
+        top_p=0.9,
+        seed=7,
+        eos_id=tok.eos_token_id,
+        state_init="zero",
     )
-    expected = engine_generate(load_model(model_dir), enc.input_ids, options, attention_mask=enc.attention_mask)
+    expected = engine_generate(load_model(tiny_model_dir), enc.input_ids, options, attention_mask=enc.attention_mask)
     assert torch.equal(ours, expected.tokens)
 
 
-def test_generation_config_is_resolved_as_transformers_does(exported: Path, model_dir: Path) -> None:  # noqa: F811
+def test_generation_config_is_resolved_as_transformers_does(tiny_hf_export: Path, tiny_model_dir: Path) -> None:
     """A `generation_config` argument, the model's generation config and transformers' defaults (max_length 20)."""
     from transformers import GenerationConfig
 
-    model = load(exported).eval()
+    model = load(tiny_hf_export).eval()
     ids = batch(shape=(2, 6))
-    reference = greedy_generate(load_model(model_dir), ids, 14, num_steps=MEAN)
+    reference = greedy_generate(load_model(tiny_model_dir), ids, 14, num_steps=EXPORT_MEAN)
     by_config = model.generate(ids, generation_config=GenerationConfig(max_new_tokens=5, eos_token_id=None))
     assert torch.equal(by_config[:, 6:], reference[:, :5])
     model.generation_config.eos_token_id = None
@@ -60,19 +66,19 @@ def test_generation_config_is_resolved_as_transformers_does(exported: Path, mode
     assert torch.equal(model.generate(ids)[:, 6:], reference[:, :3])
 
 
-def test_export_ships_a_generation_config(exported: Path) -> None:  # noqa: F811
+def test_export_ships_a_generation_config(tiny_hf_export: Path) -> None:
     """generation_config.json names the special tokens (transformers 5 does not read them from config.json)."""
-    model = load(exported)
-    assert (exported / "generation_config.json").is_file()
+    model = load(tiny_hf_export)
+    assert (tiny_hf_export / "generation_config.json").is_file()
     assert (model.generation_config.bos_token_id, model.generation_config.eos_token_id) == (1, 2)
     assert model.generation_config.pad_token_id == 0
 
 
 @pytest.mark.parametrize("engine", [True, False])
-def test_sampling_follows_torch_rng_and_a_generator(exported: Path, engine: bool) -> None:  # noqa: F811
+def test_sampling_follows_torch_rng_and_a_generator(tiny_hf_export: Path, engine: bool) -> None:
     """Different samples under different torch.manual_seed, identical under the same; a passed generator too.
     (repetition_penalty: transformers' sampler; the engine serves top_k.)"""
-    model = load(exported).eval()
+    model = load(tiny_hf_export).eval()
     ids = batch(shape=(2, 4))
     strategy = dict(top_k=50) if engine else dict(repetition_penalty=1.2)
     kwargs = dict(do_sample=True, max_new_tokens=12, eos_token_id=None, **strategy)
@@ -87,10 +93,10 @@ def test_sampling_follows_torch_rng_and_a_generator(exported: Path, engine: bool
     assert torch.equal(with_generator[0], with_generator[1]) and not torch.equal(with_generator[0], with_generator[2])
 
 
-def test_token_type_ids_are_accepted(exported: Path) -> None:  # noqa: F811
+def test_token_type_ids_are_accepted(tiny_hf_export: Path) -> None:
     """What transformers 4.x tokenizers return: zero token types change nothing; others are refused."""
-    model = load(exported).eval()
-    assert tokenizer(exported).model_input_names == ["input_ids", "attention_mask"]
+    model = load(tiny_hf_export).eval()
+    assert tokenizer(tiny_hf_export).model_input_names == ["input_ids", "attention_mask"]
     ids = batch()
     zeros = torch.zeros_like(ids)
     with torch.no_grad():
@@ -103,9 +109,9 @@ def test_token_type_ids_are_accepted(exported: Path) -> None:  # noqa: F811
     assert torch.equal(model.generate(ids, token_type_ids=zeros, **beams), model.generate(ids, **beams))
 
 
-def test_exit_criterion_with_harmless_kwargs_returns_the_depths(exported: Path, model_dir: Path) -> None:  # noqa: F811
+def test_exit_criterion_with_harmless_kwargs_returns_the_depths(tiny_hf_export: Path, tiny_model_dir: Path) -> None:
     """exit_criterion with return_dict_in_generate and token_type_ids runs the engine; `steps` are its depths."""
-    model = load(exported).eval()
+    model = load(tiny_hf_export).eval()
     ids = batch(shape=(2, 5))
     knobs = dict(num_steps=6, exit_criterion="latent-diff", exit_threshold=0.3)
     out = model.generate(
@@ -118,7 +124,7 @@ def test_exit_criterion_with_harmless_kwargs_returns_the_depths(exported: Path, 
         **knobs,
     )
     options = GenerationOptions(max_new_tokens=8, state_init="zero", **knobs)
-    expected = engine_generate(load_model(model_dir), ids, options, return_logits=True)
+    expected = engine_generate(load_model(tiny_model_dir), ids, options, return_logits=True)
     assert torch.equal(out.sequences[:, 5:], expected.tokens)
     assert torch.equal(out.steps, expected.steps) and bool((out.steps < 6).any())
     torch.testing.assert_close(torch.stack(out.logits, dim=1), expected.logits, rtol=0, atol=0)
@@ -126,16 +132,16 @@ def test_exit_criterion_with_harmless_kwargs_returns_the_depths(exported: Path, 
         model.generate(ids, max_new_tokens=2, num_beams=2, **knobs)
 
 
-def test_prompt_lookup_decoding_equals_greedy(exported: Path, model_dir: Path) -> None:  # noqa: F811
+def test_prompt_lookup_decoding_equals_greedy(tiny_hf_export: Path, tiny_model_dir: Path) -> None:
     """Assisted decoding (prompt lookup) drafts tokens, verifies them and crops the cache: greedy's tokens."""
-    model = load(exported).eval()
+    model = load(tiny_hf_export).eval()
     ids = torch.cat([batch(shape=(1, 6))] * 3, dim=1)  # repeated n-grams: lookups find drafts
-    expected = greedy_generate(load_model(model_dir), ids, 16, num_steps=MEAN)
+    expected = greedy_generate(load_model(tiny_model_dir), ids, 16, num_steps=EXPORT_MEAN)
     looked_up = model.generate(ids, max_new_tokens=16, prompt_lookup_num_tokens=3, eos_token_id=None)
     assert torch.equal(looked_up[:, ids.shape[1] :], expected)
 
 
-def test_generate_with_the_embedding_offloaded_to_disk(exported: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_generate_with_the_embedding_offloaded_to_disk(tiny_hf_export: Path, tmp_path: Path) -> None:
     """accelerate disk offload with embed_tokens on disk: greedy and sampled generate equal the in-memory model's."""
     device_map = {
         "model.embed_tokens": "disk",
@@ -145,9 +151,9 @@ def test_generate_with_the_embedding_offloaded_to_disk(exported: Path, tmp_path:
         "model.norm": "disk",
         "model.lm_head": "disk",
     }
-    offloaded = load(exported, device_map=device_map, offload_folder=str(tmp_path)).eval()
+    offloaded = load(tiny_hf_export, device_map=device_map, offload_folder=str(tmp_path)).eval()
     assert offloaded.model.embed_tokens.weight.device.type == "meta"
-    in_memory = load(exported).eval()
+    in_memory = load(tiny_hf_export).eval()
     ids = batch(shape=(2, 5))
     # output_scores: the in-memory model samples with transformers' sampler too, as an offloaded embedding does.
     sampled = dict(do_sample=True, output_scores=True, generator=torch.Generator().manual_seed(0))
@@ -157,9 +163,9 @@ def test_generate_with_the_embedding_offloaded_to_disk(exported: Path, tmp_path:
         assert torch.equal(offloaded.generate(ids, max_new_tokens=6, eos_token_id=None, **kwargs), expected)
 
 
-def test_speculative_generate_equals_greedy_at_the_target_depth(exported: Path, model_dir: Path) -> None:  # noqa: F811
+def test_speculative_generate_equals_greedy_at_the_target_depth(tiny_hf_export: Path, tiny_model_dir: Path) -> None:
     """draft_steps/lookahead through the HF generate: greedy's tokens, and what the drafts cost per row."""
-    model = load(exported).eval()
+    model = load(tiny_hf_export).eval()
     ids = batch(shape=(2, 5))
     plain = model.generate(ids, max_new_tokens=12, eos_token_id=None, num_steps=8)
     out = model.generate(
@@ -175,7 +181,7 @@ def test_speculative_generate_equals_greedy_at_the_target_depth(exported: Path, 
     assert out.draft_proposed.shape == (2,) and bool((out.draft_accepted <= out.draft_proposed).all())
     assert bool((out.draft_accepted < out.draft_proposed).any()), "the draft never disagreed: the test could not fail"
     options = GenerationOptions(max_new_tokens=12, num_steps=8, draft_steps=1, lookahead=4, state_init="zero")
-    expected = engine_generate(load_model(model_dir), ids, options).speculation
+    expected = engine_generate(load_model(tiny_model_dir), ids, options).speculation
     assert torch.equal(out.core_iterations, expected.core_iterations)
     with pytest.raises(ValueError, match="draft_steps must be an integer in"):
         model.generate(ids, max_new_tokens=2, num_steps=8, draft_steps=8)
@@ -183,18 +189,18 @@ def test_speculative_generate_equals_greedy_at_the_target_depth(exported: Path, 
         model.generate(ids, max_new_tokens=2, num_beams=2, num_steps=8, draft_steps=2)
 
 
-def test_assisted_decoding_by_a_shallower_copy_equals_greedy(exported: Path, model_dir: Path) -> None:  # noqa: F811
+def test_assisted_decoding_by_a_shallower_copy_equals_greedy(tiny_hf_export: Path, tiny_model_dir: Path) -> None:
     """`assistant_model=` the same export at depth 1 drafts; the main model verifies at its own depth: greedy's
     tokens. The assistant runs at its own depth, not at the num_steps given to the main model's generate."""
-    model = load(exported).eval()
-    assistant = load(exported, num_steps=1).eval()
+    model = load(tiny_hf_export).eval()
+    assistant = load(tiny_hf_export, num_steps=1).eval()
     ids = batch(shape=(1, 6))
     forwards, core_calls = [], []
     assistant.register_forward_pre_hook(lambda *_: forwards.append(1))
     assistant.model.core.blocks[0].register_forward_pre_hook(lambda *_: core_calls.append(1))
-    reference = load_model(model_dir)
+    reference = load_model(tiny_model_dir)
     for num_steps in (None, 6):
-        expected = greedy_generate(reference, ids, 16, num_steps=num_steps or MEAN)
+        expected = greedy_generate(reference, ids, 16, num_steps=num_steps or EXPORT_MEAN)
         drafts = assistant.generate(ids, max_new_tokens=16, eos_token_id=None)[:, 6:]
         assert not torch.equal(drafts, expected), "the assistant never disagreed: the test could not fail"
         forwards.clear()
@@ -222,12 +228,12 @@ def test_cache_crop_follows_both_transformers_conventions() -> None:
     "strategy", [dict(), dict(do_sample=True, top_k=0), dict(num_beams=2), dict(num_steps=4, draft_steps=1)]
 )
 def test_right_padding_warns_once_on_every_path(
-    exported: Path,  # noqa: F811
+    tiny_hf_export: Path,
     strategy: dict,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A 0 after a 1 in a row of the attention mask: one warning, as transformers' (engine and transformers paths)."""
-    model = load(exported).eval()
+    model = load(tiny_hf_export).eval()
     ids = batch(shape=(2, 6))
     right = torch.ones_like(ids)
     right[0, 4:] = 0
@@ -238,28 +244,28 @@ def test_right_padding_warns_once_on_every_path(
         assert sum("right-padding was detected" in m for m in messages) == warnings, messages
 
 
-def test_sdpa_attention_implementation_is_accepted(exported: Path) -> None:  # noqa: F811
+def test_sdpa_attention_implementation_is_accepted(tiny_hf_export: Path) -> None:
     """`attn_implementation="sdpa"`: what the model runs anyway; it loads and generates the default's tokens."""
     ids = batch(shape=(2, 5))
     common = dict(max_new_tokens=6, eos_token_id=None)
-    expected = load(exported).eval().generate(ids, **common)
-    sdpa = load(exported, attn_implementation="sdpa").eval()
+    expected = load(tiny_hf_export).eval().generate(ids, **common)
+    sdpa = load(tiny_hf_export, attn_implementation="sdpa").eval()
     assert sdpa.config._attn_implementation == "sdpa"
     assert torch.equal(sdpa.generate(ids, **common), expected)
 
 
-def test_transformers_sampling_defaults_run_with_the_depth_knobs(exported: Path, model_dir: Path) -> None:  # noqa: F811
+def test_transformers_sampling_defaults_run_with_the_depth_knobs(tiny_hf_export: Path, tiny_model_dir: Path) -> None:
     """A generation config with transformers' sampling defaults (top_k 50) runs in the engine with its depth knobs,
     top_k applied (top_k=1: greedy's tokens, with exit and with speculation)."""
     from transformers import GenerationConfig
 
-    model = load(exported).eval()
+    model = load(tiny_hf_export).eval()
     ids = batch(shape=(2, 5))
     knobs = dict(num_steps=6, exit_criterion="latent-diff", exit_threshold=0.3)
     config = GenerationConfig(do_sample=True, max_new_tokens=8, eos_token_id=None)
     sampled = model.generate(ids, generation_config=config, seed=7, **knobs)
     options = GenerationOptions(max_new_tokens=8, temperature=1.0, top_k=50, seed=7, state_init="zero", **knobs)
-    assert torch.equal(sampled[:, 5:], engine_generate(load_model(model_dir), ids, options).tokens)
+    assert torch.equal(sampled[:, 5:], engine_generate(load_model(tiny_model_dir), ids, options).tokens)
     for extra in (knobs, dict(num_steps=6, draft_steps=2)):
         common = dict(max_new_tokens=8, eos_token_id=None, **extra)
         top_1 = model.generate(ids, do_sample=True, top_k=1, temperature=0.7, **common)

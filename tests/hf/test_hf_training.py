@@ -11,14 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.hf.test_export_hf import BLOCK_TITAN_RECUR
+from tests.hf_util import BLOCK_TITAN_RECUR, EXPORT_MEAN, batch, load
 from tests.tiny_models import make_model_dir
 from titan_recur import greedy_generate, load_model
 from titan_recur.hf.export import export_hf
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.training.recurrence import RecurrenceSampler
-
-MEAN = 3  # the exports' mean recurrence
 
 
 @pytest.fixture(autouse=True)
@@ -27,33 +25,11 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model_dir(tmp_path_factory.mktemp("hf_training") / "model")
-
-
-@pytest.fixture(scope="module")
-def exported(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("hf_training") / "hf"
-    export_hf(load_model(model_dir), out, tokenizer_folder=model_dir, mean_recurrence=MEAN)
-    return out
-
-
-@pytest.fixture(scope="module")
 def exported_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("hf_training")
     model_dir = make_model_dir(folder / "tied", tie_embeddings=True)
-    export_hf(load_model(model_dir), folder / "hf", tokenizer_folder=model_dir, mean_recurrence=MEAN)
+    export_hf(load_model(model_dir), folder / "hf", tokenizer_folder=model_dir, mean_recurrence=EXPORT_MEAN)
     return folder / "hf"
-
-
-def load(folder: Path, **kwargs):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **kwargs)
-
-
-def batch(seed: int = 0, shape: tuple[int, int] = (2, 12)) -> torch.Tensor:
-    return torch.randint(3, 512, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def core_block_calls(model) -> tuple[list[bool], object]:
@@ -69,17 +45,17 @@ def gradients(model, ids: torch.Tensor, **kwargs) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def test_training_forward_samples_depth_like_the_trainer(exported: Path) -> None:
+def test_training_forward_samples_depth_like_the_trainer(tiny_hf_export: Path) -> None:
     """Train mode + grad, no depth given: (n, k) drawn by titan_recur's sampler (seeded by the draw count);
     an int r runs its last min(r, backprop_depth) iterations with grad; eval mode runs r without grad."""
-    model = load(exported).train()
+    model = load(tiny_hf_export).train()
     calls, handle = core_block_calls(model)
     ids = batch()
     sampler = RecurrenceSampler()
     for step in range(3):
         calls.clear()
         grads = gradients(model, ids)
-        n, k = sampler.sample(MEAN, 8, step=step)
+        n, k = sampler.sample(EXPORT_MEAN, 8, step=step)
         assert calls == [False] * n + [True] * k, step
         assert set(grads) == {name for name, _ in model.named_parameters()}
     assert model.depth_draws == 3
@@ -129,10 +105,10 @@ json.dump(results, open(out + "/result.json", "w"))
 
 
 @pytest.mark.slow
-def test_trainer_trains_every_part_in_a_fresh_process(exported: Path, tmp_path: Path) -> None:
+def test_trainer_trains_every_part_in_a_fresh_process(tiny_hf_export: Path, tmp_path: Path) -> None:
     """transformers.Trainer, 3 steps, with and without gradient checkpointing, in a process that cannot
     import titan_recur: every parameter tensor changes."""
-    argv = [sys.executable, "-c", TRAINER_SCRIPT, str(exported), str(tmp_path)]
+    argv = [sys.executable, "-c", TRAINER_SCRIPT, str(tiny_hf_export), str(tmp_path)]
     done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "result.json").read_text())
@@ -146,9 +122,9 @@ def test_trainer_trains_every_part_in_a_fresh_process(exported: Path, tmp_path: 
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_gradient_checkpointing_gives_the_same_gradients(exported: Path, reentrant: bool) -> None:
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_hf_export: Path, reentrant: bool) -> None:
     """Per core iteration: backward recomputes each grad iteration (block calls n + 2k), gradients unchanged."""
-    model = load(exported).train()
+    model = load(tiny_hf_export).train()
     ids = batch()
     calls, handle = core_block_calls(model)
     steps = dict(num_steps=(2, 3), state_init="zero")
@@ -164,14 +140,14 @@ def test_gradient_checkpointing_gives_the_same_gradients(exported: Path, reentra
     handle.remove()
 
 
-def test_peft_lora_trains_merges_and_reloads(exported: Path, tmp_path: Path) -> None:
+def test_peft_lora_trains_merges_and_reloads(tiny_hf_export: Path, tmp_path: Path) -> None:
     """LoRA on q/v and on the adapter: loss falls over 10 steps, the adapter's LoRA changes the output,
     merge + save_pretrained + reload gives the trained model's logits."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "adapter"])
-    model = get_peft_model(load(exported), config)
+    model = get_peft_model(load(tiny_hf_export), config)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert any(".core.adapter.lora_A" in name for name in trainable)
     assert all("lora_" in name for name in trainable)
@@ -205,17 +181,20 @@ def test_peft_lora_trains_merges_and_reloads(exported: Path, tmp_path: Path) -> 
     torch.testing.assert_close(reloaded, trained, atol=1e-5, rtol=0)
 
 
-def test_save_pretrained_keeps_the_card_and_seals_the_folder(exported: Path, tmp_path: Path, caplog) -> None:
+def test_save_pretrained_keeps_the_card_and_seals_the_folder(tiny_hf_export: Path, tmp_path: Path, caplog) -> None:
     """A fine-tuned export saved with save_pretrained (what Trainer and a merged PEFT model call) keeps the
     model card, marked as saved after loading, and a manifest: it reloads verified, without the
     "unverified" warning every fine-tuned folder gave."""
-    model = load(exported)
+    model = load(tiny_hf_export)
     with torch.no_grad():
         model.model.norm.weight.add_(0.5)  # fine-tuned
     model.save_pretrained(tmp_path / "tuned")
     card = (tmp_path / "tuned" / "README.md").read_text()
-    source_card = (exported / "README.md").read_text()
-    assert card.startswith("---\n") and f"Saved with `save_pretrained` from the model loaded from `{exported}`" in card
+    source_card = (tiny_hf_export / "README.md").read_text()
+    assert (
+        card.startswith("---\n")
+        and f"Saved with `save_pretrained` from the model loaded from `{tiny_hf_export}`" in card
+    )
     assert source_card.split("---\n", 2)[2].strip() in card  # the source's card follows the notice
     manifest = json.loads((tmp_path / "tuned" / "manifest.json").read_text())
     assert manifest["kind"] == "hf_export" and {"config.json", "model.safetensors", "README.md"} <= set(
@@ -249,11 +228,11 @@ OFFLOAD_CASES = {
 
 @pytest.mark.parametrize("tied, case", [(False, "max_memory"), (True, "max_memory"), (False, "explicit")])
 def test_disk_offload_gives_the_in_memory_logits(
-    exported: Path, exported_tied: Path, tmp_path: Path, tied: bool, case: str
+    tiny_hf_export: Path, exported_tied: Path, tmp_path: Path, tied: bool, case: str
 ) -> None:
     """accelerate disk offload: the core (adapter included) on disk, and the logits and hidden states of the
     in-memory model."""
-    folder = exported_tied if tied else exported
+    folder = exported_tied if tied else tiny_hf_export
     ids = batch()
     with torch.no_grad():
         expected = load(folder).eval()(ids, output_hidden_states=True)
@@ -262,25 +241,25 @@ def test_disk_offload_gives_the_in_memory_logits(
         assert offloaded.model.core.adapter.weight.device.type == "meta"
         output = offloaded(ids, output_hidden_states=True)
         torch.testing.assert_close(output.logits, expected.logits, atol=1e-5, rtol=0)
-        assert len(output.hidden_states) == len(expected.hidden_states) == 1 + 1 + MEAN + 1
+        assert len(output.hidden_states) == len(expected.hidden_states) == 1 + 1 + EXPORT_MEAN + 1
         torch.testing.assert_close(output.hidden_states, expected.hidden_states, atol=1e-5, rtol=0)
 
 
-def test_beam_search_reorders_the_cache(exported: Path, model_dir: Path) -> None:
+def test_beam_search_reorders_the_cache(tiny_hf_export: Path, tiny_model_dir: Path) -> None:
     """num_beams=3 with the cache equals it without (every step recomputed); num_beams=1 is greedy."""
-    model = load(exported).eval()
+    model = load(tiny_hf_export).eval()
     ids = batch(shape=(2, 6))
     common = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     cached = model.generate(ids, num_beams=3, use_cache=True, **common)
     uncached = model.generate(ids, num_beams=3, use_cache=False, **common)
     assert torch.equal(cached, uncached)
     greedy = model.generate(ids, num_beams=1, **common)[:, ids.shape[1] :]
-    assert torch.equal(greedy, greedy_generate(load_model(model_dir), ids, 8, num_steps=MEAN))
+    assert torch.equal(greedy, greedy_generate(load_model(tiny_model_dir), ids, 8, num_steps=EXPORT_MEAN))
     assert not torch.equal(cached[:, ids.shape[1] :], greedy)  # the beams found other continuations
 
 
-def test_inputs_embeds_and_hidden_states(exported: Path) -> None:
-    model = load(exported).eval()
+def test_inputs_embeds_and_hidden_states(tiny_hf_export: Path) -> None:
+    model = load(tiny_hf_export).eval()
     ids = batch()
     with torch.no_grad():
         by_ids = model(ids, num_steps=4, output_hidden_states=True)
@@ -309,8 +288,8 @@ def test_inputs_embeds_and_hidden_states(exported: Path) -> None:
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_resize_token_embeddings(exported: Path, exported_tied: Path, tmp_path: Path, tied: bool) -> None:
-    model = load(exported_tied if tied else exported).eval()
+def test_resize_token_embeddings(tiny_hf_export: Path, exported_tied: Path, tmp_path: Path, tied: bool) -> None:
+    model = load(exported_tied if tied else tiny_hf_export).eval()
     vocab = model.config.vocab_size
     ids = batch()
     with torch.no_grad():
@@ -339,10 +318,10 @@ def test_tied_export_declares_tying_the_transformers_way(exported_tied: Path, tm
     assert "model.lm_head.weight" not in load_file(str(tmp_path / "saved" / "model.safetensors"))
 
 
-def test_training_loss_matches_titan_recur(exported: Path, model_dir: Path) -> None:
+def test_training_loss_matches_titan_recur(tiny_hf_export: Path, tiny_model_dir: Path) -> None:
     """A training forward at fixed (n, k) computes titan_recur's loss and gradients."""
-    hf = load(exported).train()
-    ours = load_model(model_dir).train()
+    hf = load(tiny_hf_export).train()
+    ours = load_model(tiny_model_dir).train()
     ids = batch()
     loss = hf(ids, labels=ids, num_steps=(1, 2), state_init="zero").loss
     expected = cross_entropy_loss(ours(ids, (1, 2), state_init="zero")[:, :-1], ids[:, 1:])
