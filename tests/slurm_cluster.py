@@ -1,4 +1,5 @@
-"""A private Slurm cluster on this machine, for tests: munged, slurmctld and two slurmd "nodes" n1, n2.
+"""A private Slurm cluster on this machine, for tests: munged, slurmctld and two slurmd "nodes" n1, n2; and the
+environment without Slurm variables that launcher tests start from (``clean_env``).
 
 Everything lives in one temporary folder: its own munge key and socket, slurm.conf, state, spool,
 logs and free ports, so a system Slurm or munge (and /etc) is neither read nor changed. Both nodes
@@ -223,3 +224,27 @@ class SlurmCluster:
     def _no_jobs(self) -> bool:
         done = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True)
         return done.returncode != 0 or not done.stdout.strip()
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The current environment without Slurm/launcher variables, plus ``extra``."""
+    drop = (
+        "SLURM_",
+        "SBATCH_",
+        "DRY_RUN",
+        "CONFIG",
+        "RUN_NAME",
+        "REPO",
+        "GPUS_PER_NODE",
+        "RDZV_",
+        "VENV",
+        "TORCHRUN",
+        "SRUN_EXTRA_ARGS",
+        "MAX_REQUEUES",
+        "LAUNCH_",
+        "PYTHON",
+        "PREFLIGHT",
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update(extra)
+    return env

@@ -3,67 +3,26 @@
 from __future__ import annotations
 
 import json
-import random
 import re
-from itertools import islice
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from tests.data_util import SEQ_LEN, full_rows, make_docs, resume_config, take, write_jsonl
 from tests.torchrun_util import REPO_ROOT, WORKERS_DIR, load_tool, run_torchrun
 from titan_recur.config import Data, DataPhase, DataSource
 from titan_recur.data.loader import LoaderGeometry, build_dataloader, check_data_config
-from titan_recur.data.tokenizer import check_vocab, load_tokenizer
-
-SEQ_LEN = 8
-WORDS = "the a cat dog sat on mat two plus equals four sum of".split()
+from titan_recur.data.tokenizer import check_vocab
 
 # tools/prepare_data.py, imported by name so that its process pool can pickle its functions
 prepare_data = load_tool("prepare_data", module_name="prepare_data")
 
 
-def make_docs(prefix: str, n: int, seed: int = 0) -> list[str]:
-    """Documents "<prefix><i> words..."; an upper-case prefix writes upper-case words (to tell sources apart)."""
-    rng = random.Random(seed)
-    words = [w.upper() for w in WORDS] if prefix.isupper() else WORDS
-    return [f"{prefix}{i} " + " ".join(rng.choice(words) for _ in range(rng.randint(2, 12))) for i in range(n)]
-
-
 def is_math(tok, row: list[int]) -> bool:
     """Rows never mix sources; a row of the upper-case source holds at least one upper-case letter."""
     return any(c.isupper() for c in tok.decode(row))
-
-
-def write_jsonl(path: Path, docs: list[str], field: str = "text") -> str:
-    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def tok_folder(tmp_path_factory) -> Path:
-    """Byte-level BPE with BOS <s> (added, Llama style) and EOS </s>."""
-    folder = tmp_path_factory.mktemp("tok")
-    (folder / "corpus.txt").write_text("\n".join(make_docs("doc", 200) + make_docs("MATH", 200)))
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train([str(folder / "corpus.txt")], trainer)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def tok(tok_folder):
-    return load_tokenizer(tok_folder)
 
 
 def loader(
@@ -78,18 +37,6 @@ def loader(
     seq_len: int = SEQ_LEN,
 ):
     return build_dataloader(cfg, tok, LoaderGeometry(seq_len, batch, rows_per_step, rank, world), split=split)
-
-
-def take(dl, n: int) -> list[dict[str, torch.Tensor]]:
-    return list(islice(iter(dl), n))
-
-
-def full_rows(batches) -> torch.Tensor:
-    """(N, seq_len + 1) rows back from {"input_ids", "labels"} batches."""
-    for b in batches:
-        assert b["input_ids"].shape == b["labels"].shape == (b["input_ids"].shape[0], SEQ_LEN)
-        assert torch.equal(b["input_ids"][:, 1:], b["labels"][:, :-1])
-    return torch.cat([torch.cat([b["input_ids"], b["labels"][:, -1:]], dim=1) for b in batches])
 
 
 def packed_stream(tok, docs: list[str]) -> list[int]:
@@ -204,14 +151,6 @@ def test_validation_holds_out_disjoint_documents(tmp_path, tok):
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))  # a fresh loader gives the same batches
     message = one_line_error(ValueError, loader, Data(sources=cfg.sources), tok, split="validation")
     assert "validation_fraction" in message
-
-
-def resume_config(tmp_path, num_workers: int) -> Data:
-    web = DataSource(name="web", path=write_jsonl(tmp_path / "web.jsonl", make_docs("doc", 60)), kind="jsonl")
-    math = DataSource(name="math", path=write_jsonl(tmp_path / "math.jsonl", make_docs("MATH", 40)), kind="jsonl")
-    return Data(
-        phases=[DataPhase(0, [web]), DataPhase(20, [web, math])], num_workers=num_workers, validation_fraction=0.1
-    )
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -9,8 +9,8 @@ import re
 import datasets
 import pytest
 import torch
-from test_data import SEQ_LEN, full_rows, make_docs, resume_config, take, tok, tok_folder, write_jsonl  # noqa: F401
 
+from tests.data_util import SEQ_LEN, full_rows, make_docs, resume_config, take, write_jsonl
 from titan_recur.config import ConfigError, Data, DataSource, config_from_dict, validate
 from titan_recur.data.loader import LoaderGeometry, build_dataloader, open_source
 

@@ -147,6 +147,18 @@ def test_no_import_cycles_even_for_typing():
 RUNS_THE_TRAINER = {"bench_step.py"}
 
 
+def test_tests_share_helpers_through_helper_modules_not_other_tests():
+    """Shared tiny models, runs and exports are conftest fixtures and tests/*.py helper modules: a test file that
+    imports another test file runs (and rebuilds) that file's module fixtures and hides what it depends on."""
+    found = [
+        f"{path.relative_to(REPO)}:{node.lineno} imports {node.module}"
+        for path in sorted((REPO / "tests").rglob("test_*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[-1].startswith("test_")
+    ]
+    assert not found, found
+
+
 def test_tools_build_from_config_not_from_the_trainer():
     bad = [
         f"{path.relative_to(REPO)}:{line}"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.slurm_cluster import clean_env
 from titan_recur.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,30 +38,6 @@ TWO_NODES = {
 }
 PASS_THROUGH = ["--training.steps", "100", "--job.description", "two words"]
 NODE_LINE = re.compile(r"^\[launch\] node (\d+) (\S+): (.*)$")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The current environment without Slurm/launcher variables, plus ``extra``."""
-    drop = (
-        "SLURM_",
-        "SBATCH_",
-        "DRY_RUN",
-        "CONFIG",
-        "RUN_NAME",
-        "REPO",
-        "GPUS_PER_NODE",
-        "RDZV_",
-        "VENV",
-        "TORCHRUN",
-        "SRUN_EXTRA_ARGS",
-        "MAX_REQUEUES",
-        "LAUNCH_",
-        "PYTHON",
-        "PREFLIGHT",
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env.update(extra)
-    return env
 
 
 # Stands in for the dry run's preflight (`python -m titan_recur.train ... --check`): records its argv.

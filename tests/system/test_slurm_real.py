@@ -24,8 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm_cluster import TERMINAL_JOB_STATES, SlurmCluster, free_ports, missing, poll, tail
-from tests.system.test_slurm import clean_env
+from tests.slurm_cluster import TERMINAL_JOB_STATES, SlurmCluster, clean_env, free_ports, missing, poll, tail
 from tests.tiny_runs import assert_same_final_model, resumed_step
 from tests.torchrun_util import REPO_ROOT, run_torchrun
 from titan_recur.storage.checkpoint import scan_checkpoints
