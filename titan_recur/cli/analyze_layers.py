@@ -38,8 +38,7 @@ from pathlib import Path
 
 import torch
 
-from titan_recur.cli.kit import OneLineParser, int_list
-from titan_recur.config import DATA_FORMATS
+from titan_recur.cli.kit import OneLineParser, add_record_arguments, int_list
 from titan_recur.convert.layer_analysis import (
     ANGULAR_PLOT,
     INFLUENCE_PLOT,
@@ -71,15 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = parser.add_argument_group("calibration data").add_mutually_exclusive_group(required=True)
     data.add_argument("--data", help="held-out file or glob: .jsonl/.json, .parquet, else plain text")
     data.add_argument("--config", help="train config TOML: use its validation split (data.validation_fraction > 0)")
-    parser.add_argument("--text-field", default="text", help="jsonl/parquet field holding the text (default: text)")
-    parser.add_argument(
-        "--format",
-        dest="data_format",
-        choices=DATA_FORMATS,
-        default="text",
-        help="--data records: 'text' (loss on every token) or 'prompt_completion' (the loss on the "
-        "completions only, e.g. a task's answers) (default text)",
-    )
+    add_record_arguments(parser)
     parser.add_argument("--tokens", type=int, default=65536, help="calibration tokens (default 65536)")
     parser.add_argument(
         "--seq-len", type=int, help="tokens per row (default: the config's training.seq_len, else 1024)"

@@ -24,8 +24,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from titan_recur.cli.kit import OneLineParser, add_checkpoint_arguments, add_force, float_list, int_list
-from titan_recur.config import DATA_FORMATS as FORMATS
+from titan_recur.cli.kit import (
+    OneLineParser,
+    add_checkpoint_arguments,
+    add_force,
+    add_record_arguments,
+    float_list,
+    int_list,
+)
 from titan_recur.config import TEXT_SOURCE_KINDS
 from titan_recur.inference.exit_criteria import describe_criteria
 from titan_recur.models.args import STATE_INITS
@@ -69,15 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="train config TOML (or a run's config.json): its validation split, with "
         "the in-loop validation's geometry as defaults",
     )
-    loss.add_argument("--text-field", default="text", help="jsonl/parquet field holding the text (default: text)")
-    loss.add_argument(
-        "--format",
-        dest="data_format",
-        choices=FORMATS,
-        default="text",
-        help="--data records: 'text' (loss on every token) or 'prompt_completion' (fields prompt and "
-        "completion; the loss on the completion only, e.g. a task's answers) (default: text)",
-    )
+    add_record_arguments(loss)
     loss.add_argument(
         "--recurrences",
         type=int_list,
@@ -119,15 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     heldout.add_argument("--hf-config", help="hub dataset config of --data")
     heldout.add_argument("--split", default="train", help="split of --data (default train)")
-    heldout.add_argument("--text-field", default="text", help="field holding the text (default: text)")
-    heldout.add_argument(
-        "--format",
-        dest="data_format",
-        choices=FORMATS,
-        default="text",
-        help="records of --data: 'text' or 'prompt_completion' (fields prompt, completion), "
-        "written in the same format (default: text)",
-    )
+    add_record_arguments(heldout, "records of --data, written in the same format")
     heldout.add_argument("--documents", type=int, required=True, help="number of documents to write")
     heldout.add_argument("--out", required=True, type=Path, help='jsonl file to write ({"text": ...} per line)')
     add_force(heldout, "the jsonl file")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
+from titan_recur.config import DATA_FORMATS
+
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line on stderr (no usage block), exit code 2."""
@@ -57,4 +59,18 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="load a model folder that has no manifest.json, its files unchecked (titan_recur "
         "seals every folder it writes; a missing manifest means it was deleted or hand-made)",
+    )
+
+
+def add_record_arguments(parser: argparse.ArgumentParser, records: str = "--data records") -> None:
+    """--text-field and --format: which field of a jsonl/parquet record holds the text, and whether records are
+    plain text or prompt/completion pairs (the names a DataSource takes)."""
+    parser.add_argument("--text-field", default="text", help="record field holding the text (default: text)")
+    parser.add_argument(
+        "--format",
+        dest="data_format",
+        choices=DATA_FORMATS,
+        default="text",
+        help=f"{records}: 'text' (loss on every token) or 'prompt_completion' (fields prompt and completion; "
+        "the loss on the completions only, e.g. a task's answers) (default: text)",
     )
