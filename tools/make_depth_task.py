@@ -452,7 +452,12 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {len(written)} files under {ns.out} ({task.name}: train lengths {train_lengths[0]}-{train_lengths[-1]}, "
         f"evaluation lengths {eval_lengths[0]}-{eval_lengths[-1]}{extra}); evaluation questions held out of training "
         f"at lengths {format_lengths(held_out)}"
-        + (f"; lengths {format_lengths(seen)} have too few questions to hold out" if seen else "")
+        + (
+            f"; {'length' if len(seen) == 1 else 'lengths'} {format_lengths(seen)} "
+            f"{'has' if len(seen) == 1 else 'have'} too few questions to hold out"
+            if seen
+            else ""
+        )
     )
     return 0
 
