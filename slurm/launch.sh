@@ -137,8 +137,10 @@ _quote() {
 }
 
 # The stand-in's program (see "torchrun ends a handled signal" above): torchrun's main(), with the
-# SignalException it raises after shutting its workers down on a handled signal reported in one line.
+# SignalException it raises after shutting its workers down on a handled signal reported in one line, and
+# the exit barrier's lost store at the end of a finished run (a torch elastic race) logged in one line.
 TORCHRUN_QUIET_PY='"""torchrun, ending in one line on a signal it handled (written by slurm/launch.sh)."""
+import logging
 import os
 import signal
 import socket
@@ -147,6 +149,20 @@ import sys
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import main
 
+
+class ExitBarrierInOneLine(logging.Filter):
+    """After its workers end, each agent waits at an exit barrier on the rendezvous store; when the agent
+    hosting the store passes it and exits first, the others lose the store and torch logs a traceback for a
+    run whose workers all finished (a race under load). One line instead."""
+
+    def filter(self, record):
+        if record.getMessage().startswith("Error waiting on exit barrier"):
+            record.msg = "exit barrier: the rendezvous store ended before this node left it (its workers had finished)"
+            record.args, record.exc_info, record.exc_text = (), None, None
+        return True
+
+
+logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(ExitBarrierInOneLine())
 try:
     main()
 except SignalException as exc:

@@ -377,3 +377,31 @@ def test_sigterm_does_not_requeue(fake_cluster):
     assert not (fake / "srun.signals").exists()  # not forwarded: Slurm signals the step itself
     assert proc.returncode == 1, out
     assert scontrol_calls(fake) == []
+
+
+def test_the_torchrun_stand_in_logs_a_lost_exit_barrier_store_in_one_line():
+    """A finished run's agents meet at an exit barrier on the rendezvous store; when the agent hosting the store
+    exits first, torch logs a traceback on the others (seen in the real-Slurm test under load). The stand-in's
+    program turns that record into one line; torch's own logger and a fake main() stand in for the race."""
+    program = re.search(r"TORCHRUN_QUIET_PY='(.*?)'\n", (SLURM / "launch.sh").read_text(), re.S).group(1)
+    race = """
+import torch.distributed.run
+from torch.distributed.elastic.utils.logging import get_logger
+
+
+def main():
+    try:
+        raise RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed.")
+    except RuntimeError:
+        get_logger("torch.distributed.elastic.agent.server.api").exception("Error waiting on exit barrier. Elapsed: %s seconds", 0.01)
+
+
+torch.distributed.run.main = main
+"""
+    result = subprocess.run([sys.executable, "-c", race + program], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr and "Failed to recv" not in result.stderr, result.stderr
+    [line] = result.stderr.strip().splitlines()  # torch's logging prefix, then the message
+    assert line.endswith(
+        "] exit barrier: the rendezvous store ended before this node left it (its workers had finished)"
+    )
