@@ -755,6 +755,7 @@ def test_a_collective_timeout_is_one_line_per_rank(forked):
     assert run["seconds"] < timeout + 30, run["seconds"]
 
 
+@pytest.mark.slow  # shares the forked fixture (~45 s of 2-rank scenarios) with the frozen-rank tests
 def test_kill9_inside_sync_and_async_saves_resumes_bit_identically(forked):
     """After every kill each complete step verifies; the finished runs equal an uninterrupted one bit for bit."""
     spec = forked["spec"]
