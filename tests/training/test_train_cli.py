@@ -169,10 +169,16 @@ def test_ctrl_c_writes_a_checkpoint_like_sigterm_and_says_one_line(tmp_path):
     assert f"preemption signal at step {stopped}: checkpoint {dump / 'checkpoints' / f'step-{stopped}'}" in output
 
 
+# Steps of ~1 s (32 x 256 tokens) for the second Ctrl-C: it must arrive while the run finishes its step. With the
+# debug run's 50 ms steps the run could finish and save before the test had sent it (CI, 2026-12-06: exit 42).
+# A slower machine only widens this window: the step and the save are the run's own work.
+LONG_STEPS = ("--training.local_batch_size", "32", "--training.seq_len", "256")
+
+
 @pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
     dump, log = tmp_path / "run", tmp_path / "run.log"
-    proc = start_interruptible([sys.executable, *debug_run_argv(dump, *INTERRUPT_RUN)], log)
+    proc = start_interruptible([sys.executable, *debug_run_argv(dump, *INTERRUPT_RUN, *LONG_STEPS)], log)
     wait_for(lambda: logged_steps(dump) >= 3, proc, log)
     proc.send_signal(signal.SIGINT)
     wait_for(lambda: "Ctrl-C: finishing this step" in log.read_text(), proc, log)
