@@ -3,7 +3,7 @@
 # project's own trainer, and check it before it may be shipped. Deterministic (one process, one thread):
 # the same machine type gives bit-identical weights.
 #
-#   bash tools/make_mini_source.sh [--out DIR] [--layers N] [--task perm|arith] [--install]
+#   bash tools/make_mini_source.sh [--out DIR] [--layers N] [--task perm|arith] [--install] [--keep-below-gate]
 #
 # Stages:
 #   1. task      tools/make_depth_task.py: the permutation word problem (perm seed 0), training chains of
@@ -13,29 +13,34 @@
 #                answers only (format = "prompt_completion"), data phases 1-2 -> 1-4 (step 300) -> 1-6 (step 800)
 #   3. marginals 300 AdamW steps with the loss on every token (format "text"), so that the all-token
 #                post-training of tools/reproduce_mini.sh starts without large gradients on the prompts
+#                (perm only: arith's post-training is answer-only, and this stage undid its length 1)
 #   4. export    tools/export_hf.py: an ordinary HF folder (LlamaForCausalLM), what convert_hf.py reads
 #   5. gate      the harness at every training length 1-6: each must be >= 0.99 exact match, else exit 1
-#                (a source that has not learned its lengths gives no retrofit effect: docs/results.md)
+#                (a source that has not learned its lengths gives no retrofit effect: docs/results.md);
+#                --keep-below-gate prints the failure as a warning and exits 0 (the arith source of
+#                docs/results.md, which no recipe here has brought through the gate yet)
 # --layers N builds the same recipe with N blocks (default 4; docs/surgery.md's study uses 6). --task arith
 # builds it on the variable-binding arithmetic task instead (then bash tools/reproduce_mini.sh --task arith
 # --source OUT/hf): rows of 160 tokens, 6,000 steps, and phases 1-1 -> 1-2 (step 1000) -> 1-4 (step 1600)
-# -> 1-6 (step 2400), because perm's phases starve its one-step bindings (a 1-2 start: 0.20 exact match at
-# length 1 after 1,500 steps; 1-1 alone: 0.74 after 1,000). --install copies the checked folder to
-# assets/perm_llama (perm, 4 layers only).
+# -> 1-6 (step 2400), because a mixture of lengths from the start learns neither length 1 nor 2 (a 1-2
+# start: 0.38 / 0.36 at lengths 1 / 2 after 2,000 steps; 1-1 alone: 0.74 after 1,000), and no marginals
+# stage. --install copies the checked folder to assets/perm_llama (perm, 4 layers only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=outputs/mini_source
 INSTALL=0
+KEEP_BELOW_GATE=0
 LAYERS=4
 TASK=perm
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=${2:?--out needs a folder}; shift ;;
     --install) INSTALL=1 ;;
+    --keep-below-gate) KEEP_BELOW_GATE=1 ;;
     --layers) LAYERS=${2:?--layers needs a number}; shift ;;
     --task) TASK=${2:?--task needs perm or arith}; shift ;;
-    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "make_mini_source.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -45,13 +50,17 @@ if ! [[ "$LAYERS" =~ ^[1-9][0-9]*$ ]] || { [ "$INSTALL" = 1 ] && [ "$LAYERS" != 
   exit 2
 fi
 # PHASES: training lengths:question seed:first step, one task folder and data phase each; the last is 1-6
-# (the marginals stage and the gate read it).
+# (the marginals stage and the gate read it). MARGINALS: whether stage 3 runs.
 case "$TASK" in
-  perm) SEQ_LEN=64 STEPS=4000 PHASES="1-2:21:0 1-4:22:300 1-6:1:800" ;;
+  perm) SEQ_LEN=64 STEPS=4000 PHASES="1-2:21:0 1-4:22:300 1-6:1:800" MARGINALS=1 ;;
   # reproduce_mini.sh's rows (a 16-step question is ~140 tokens); one-step bindings alone first (see above)
-  arith) SEQ_LEN=160 STEPS=6000 PHASES="1-1:20:0 1-2:21:1000 1-4:22:1600 1-6:1:2400" ;;
+  arith) SEQ_LEN=160 STEPS=6000 PHASES="1-1:20:0 1-2:21:1000 1-4:22:1600 1-6:1:2400" MARGINALS=0 ;;
   *) echo "make_mini_source.sh: error: --task takes perm or arith, got $TASK" >&2; exit 2 ;;
 esac
+if [ "$INSTALL" = 1 ] && [ "$KEEP_BELOW_GATE" = 1 ]; then
+  echo "make_mini_source.sh: error: --install ships the source and needs the gate; not with --keep-below-gate" >&2
+  exit 2
+fi
 if [ "$INSTALL" = 1 ] && [ "$TASK" != perm ]; then
   echo "make_mini_source.sh: error: --install replaces assets/perm_llama, the perm task's source; not with --task $TASK" >&2
   exit 2
@@ -129,7 +138,10 @@ log_freq = 100
 enable_tensorboard = false
 TOML
 
-cat > "$OUT/configs/marginals.toml" <<TOML
+"$PY" -m titan_recur.train --config "$OUT/configs/pretrain.toml"
+MODEL="$OUT/pretrain/final_model"
+if [ "$MARGINALS" = 1 ]; then
+  cat > "$OUT/configs/marginals.toml" <<TOML
 [job]
 dump_folder = "$OUT/marginals"
 description = "make_mini_source: 300 steps with the loss on every token"
@@ -173,26 +185,30 @@ kind = "jsonl"
 log_freq = 50
 enable_tensorboard = false
 TOML
-
-"$PY" -m titan_recur.train --config "$OUT/configs/pretrain.toml"
-"$PY" -m titan_recur.train --config "$OUT/configs/marginals.toml"
-"$PY" tools/export_hf.py "$OUT/marginals/final_model" "$OUT/hf"
+  "$PY" -m titan_recur.train --config "$OUT/configs/marginals.toml"
+  MODEL="$OUT/marginals/final_model"
+fi
+"$PY" tools/export_hf.py "$MODEL" "$OUT/hf"
 
 TASKS=$(ls "$OUT/task_1-6/${TASK}"_[0-9]*.yaml | awk -F"${TASK}_" '{print $NF "\t" $0}' | sort -n | cut -f2 | paste -sd, -)  # by length
-"$PY" -m titan_recur.eval harness --model-args "pretrained=$OUT/marginals/final_model,batch_size=100,max_gen_toks=2" \
+"$PY" -m titan_recur.eval harness --model-args "pretrained=$MODEL,batch_size=100,max_gen_toks=2" \
   --tasks "$TASKS" --recurrences 1 --out "$OUT/gate"
-"$PY" - "$OUT/gate/table.json" <<'PY'
+"$PY" - "$OUT/gate/table.json" "$KEEP_BELOW_GATE" <<'PY'
 import json, sys
 rows = [r for r in json.load(open(sys.argv[1])) if r["metric"].startswith("exact_match")]
 scores = {int(r["task"].rsplit("_", 1)[1]): r["1"] for r in rows}
 failed = {n: s for n, s in scores.items() if n <= 6 and s < 0.99}
 print("gate: exact match per length " + ", ".join(f"{n}: {s:.2f}" for n, s in sorted(scores.items())))
 if failed:
-    sys.exit(f"make_mini_source.sh: error: the source does not solve its training lengths (>= 0.99): {failed}")
+    line = f"the source does not solve its training lengths (>= 0.99): {failed}"
+    if sys.argv[2] == "1":
+        print(f"make_mini_source.sh: warning: {line}; kept (--keep-below-gate)")
+    else:
+        sys.exit(f"make_mini_source.sh: error: {line}")
 PY
 if [ "$INSTALL" = 1 ]; then
   rm -rf assets/perm_llama
   cp -r "$OUT/hf" assets/perm_llama
   echo "installed $OUT/hf as assets/perm_llama"
 fi
-echo "source model: $OUT/hf (gate passed: $OUT/gate/table.md)"
+echo "source model: $OUT/hf (gate: $OUT/gate/table.md)"
