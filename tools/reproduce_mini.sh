@@ -23,8 +23,8 @@
 #               answer-only held-out loss at r = 1..32 for every run; tools/summarize_mini.py: the tables
 #               with means over seeds and 95% intervals, and the headline plots, in OUT/summary
 # --seeds: the seeds of every arm (default 0,1,2). --task arith: the variable-binding arithmetic task
-# (`a = 3 ; b = a + 5 ; c = b * 7 ; c mod 10 ?`, rows of 160 tokens) on a source pretrained on it
-# (bash tools/make_mini_source.sh --task arith, then --source OUT/model).
+# (`a = 3 ; b = a + 5 ; c = b * 7 ; c mod 10 ?`, rows of 160 tokens, the loss on the answers only) on a
+# source pretrained on it (bash tools/make_mini_source.sh --task arith, then --source OUT/hf).
 # --surgery replaces --shape 1,2,1 in the recurrent conversion (e.g. "--prelude 0 --core 1-2 --coda 5",
 # docs/surgery.md's study); --static-factors chooses the static arms ("" for none).
 # --quick: seed 0, 120 steps, the 1x static arm, 50 questions per length 7-12 (long chains only),
@@ -65,9 +65,12 @@ if [ -n "$SEEDS_ARG" ] && ! [[ "$SEEDS_ARG" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
   exit 2
 fi
 case "$TASK" in
-  perm) SOURCE=${SOURCE:-assets/perm_llama}; SEQ_LEN=64 ;;
+  # FORMAT: the post-training loss. perm's is on every token; arith's on the answers only, because its
+  # prompts are mostly unpredictable digits whose loss drowns the one answer token (300 all-token steps
+  # took its source from 1.00 to 0.31 at length 1: docs/results.md).
+  perm) SOURCE=${SOURCE:-assets/perm_llama}; SEQ_LEN=64 FORMAT=text ;;
   arith)
-    SEQ_LEN=160
+    SEQ_LEN=160 FORMAT=prompt_completion
     if [ -z "$SOURCE" ]; then
       echo "reproduce_mini.sh: error: --task arith needs --source: a model pretrained on it (bash tools/make_mini_source.sh --task arith)" >&2
       exit 2
@@ -198,6 +201,7 @@ keep_latest_k = 0
 name = "${TASK}_task"
 path = "$OUT/task/train.jsonl"
 kind = "jsonl"
+format = "$FORMAT"
 shuffle_buffer = 10000
 
 [metrics]
