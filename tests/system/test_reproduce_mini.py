@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -241,3 +242,22 @@ def test_quoted_result_tables_equal_the_shipped_summary(doc: str) -> None:
         table = "\n".join(summarize.group_table(summary, group))
         assert table in text, f"{doc}: the {group} table differs from docs/results/perm/summary.json"
     assert summary["held_out_lengths"] == list(range(5, 17)) and summary["groups"]["extrapolation"] == [13, 14, 15, 16]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--install", "--keep-below-gate"], "needs the gate; not with --keep-below-gate"),
+        (["--install", "--task", "arith"], "not with --task arith"),
+        (["--task", "mod10"], "--task takes perm or arith"),
+    ],
+)
+def test_make_mini_source_refuses_a_bad_request_before_any_work(argv: list[str], message: str, tmp_path: Path) -> None:
+    """A request that could ship an unchecked source (or build nothing) is one line and exit 2, before the
+    output folder is made or assets/perm_llama is touched."""
+    out = tmp_path / "src"
+    result = subprocess.run(
+        ["bash", "tools/make_mini_source.sh", "--out", str(out), *argv], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert not out.exists()
