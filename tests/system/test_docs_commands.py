@@ -307,6 +307,10 @@ RUN_ELSEWHERE = {
     'bash tools/run_tests.sh -m "not slow"': "the CI job's suite (a subset of it)",
     "bash tools/setup_env.sh": "the CI job itself (.ci/run starts with it)",
     "bash tools/reproduce_mini.sh": "its --quick form, tests/eval/test_compare.py (the full form takes 37 min)",
+    "bash tools/make_mini_source.sh --task arith --keep-below-gate --out outputs/arith_src": "its refusals: "
+    "tests/system/test_reproduce_mini.py (the build takes 30 min on one core)",
+    "bash tools/reproduce_mini.sh --task arith --source outputs/arith_src/hf --out outputs/mini_arith": "the perm "
+    "task's --quick form, tests/eval/test_compare.py (the same stages; the full arith form takes 78 min)",
     "OMP_NUM_THREADS=1 python tools/bench_generate.py speculative --checkpoint "
     "outputs/mini/runs/recurrent_s0/final_model --task-dir outputs/mini/task": "on the --quick miniature, fewer "
     "settings: tests/eval/test_compare.py::test_bench_speculative_decodes_the_plain_tokens_faster_per_iteration",
