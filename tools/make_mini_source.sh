@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the source model of tools/reproduce_mini.sh (assets/perm_llama) by pretraining from scratch with the
-# project's own trainer, and check it before it may be shipped. Deterministic (one process, one thread):
-# the same machine type gives bit-identical weights.
+# project's own trainer, and check it before it may be shipped. One process, one thread: a rerun on the same
+# machine gives the same weights; another machine may not (docs/results.md: two perm rebuilds of 2026-12-06).
 #
 #   bash tools/make_mini_source.sh [--out DIR] [--layers N] [--task perm|arith] [--install] [--keep-below-gate]
 #
