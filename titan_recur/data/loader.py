@@ -766,6 +766,18 @@ def heldout_documents(cfg: Data) -> Iterator[str | tuple[str, str]]:
                 yield doc
 
 
+def training_documents(cfg: Data) -> Iterator[str | tuple[str, str]]:
+    """Every document training reads, source after source over all phases: the complement of
+    ``heldout_documents``'s hash split (with ``[[data.validation_sources]]``, every training document). For
+    checks that an evaluation set is disjoint from the training data (tools/make_math_task.py)."""
+    reader = _Reader(
+        0, 1, validation=False, validation_fraction=0.0 if cfg.validation_sources else cfg.validation_fraction
+    )
+    for _, sources in _phases(cfg, "train"):
+        for source in sources:
+            yield from (d for d in _first_documents(source) if not is_empty(d) and reader.keeps(d))
+
+
 def _check_tokenized_files(s: DataSource, seq_len: int, tokenizer: Tokenizer) -> None:
     """v2: the stream's tokenizer is this run's. v1: row lengths. Both: the id range of the first row group of
     each file (cheap, catches a wrong seq_len or tokenizer)."""

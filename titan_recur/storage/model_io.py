@@ -47,6 +47,8 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "special_tokens_map.json",
     "generation_config.json",
+    "chat_template.jinja",  # transformers 5 writes a tokenizer's chat template here
+    "chat_template.json",
 )
 
 
