@@ -7,7 +7,10 @@ fp32), by
   grown with ``torch.cat`` at every token, the attention mask grown the same way;
 - ``full``, ``latest``: the engine with its preallocated cache, eager; ``--compile`` adds ``full+compile``
   and ``latest+compile``: the fast decode path (inference/decode_program.py; one CUDA graph per token
-  on a GPU).
+  on a GPU);
+- ``hf source`` (with ``--hf-source FOLDER``): transformers' own ``generate`` of a plain HF model (the
+  source a retrofit came from, e.g. tools/fetch_smollm2.sh's), greedy, on the same prompts: the speed a
+  user had before the retrofit. Timed once per batch size (it has no r), in the first r's rounds.
 tokens/s counts new tokens of the whole batch (prompt included in the time) per second of wall time
 and per CPU second of this process (on a GPU use wall). Each configuration is warmed up on the same
 shapes (stopping after 4 tokens; its seconds are the "warm-up s" column: compiling, for the fast
@@ -160,6 +163,7 @@ def _add_speed_command(commands: Any) -> None:
         default=GenerationOptions.iterations_per_call,
         help="core iterations per compiled call (GenerationOptions.iterations_per_call)",
     )
+    speed.add_argument("--hf-source", help="also time transformers' generate of this plain HF model folder")
 
 
 def _add_check_command(commands: Any) -> None:
@@ -300,12 +304,34 @@ def decode_bytes(model: RecurrentLM, r: int, batch: int, context: int) -> int:
     return (weights + batch * kv) * element
 
 
+def hf_run(model: Any, input_ids: torch.Tensor):
+    """transformers' greedy generate of exactly ``stop_after`` new tokens (EOS ignored): the source's speed."""
+
+    def run(new_tokens: int, stop_after: int) -> int:
+        with torch.no_grad():
+            model.generate(
+                input_ids, max_new_tokens=stop_after, min_new_tokens=stop_after, do_sample=False, pad_token_id=0
+            )
+        return 0
+
+    return run
+
+
+def load_hf_source(folder: str | None, device: str, dtype: str) -> Any:
+    if folder is None:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
+
+
 def run_speed(args: argparse.Namespace) -> None:
     """Every engine warmed up (a run stopping at 4 tokens, timed: the compile of a compiled engine), then
     --rounds rounds timing each engine once in turn; per engine the median over rounds of tokens/s and of
     its ratio to ``cat`` in the same round, so a slow drift of a shared machine's speed cancels out of the
     ratios. The bound: batch tokens per (``decode_bytes`` at the mean context / copy bandwidth)."""
     model = build_model(args)
+    hf_source = load_hf_source(args.hf_source, args.device, args.dtype)
     engines = args.engines.split(",")
     bandwidth = copy_bandwidth(args.device)
     print(
@@ -322,8 +348,10 @@ def run_speed(args: argparse.Namespace) -> None:
     for bsz in (int(v) for v in args.batch_sizes.split(",")):
         gen = torch.Generator().manual_seed(bsz)
         input_ids = torch.randint(0, args.vocab, (bsz, args.prompt_len), generator=gen).to(args.device)
-        for r in (int(v) for v in args.recurrences.split(",")):
+        for index, r in enumerate(int(v) for v in args.recurrences.split(",")):
             runs = {}
+            if hf_source is not None and index == 0:
+                runs["hf source"] = hf_run(hf_source, input_ids % hf_source.config.vocab_size)
             if "cat" in engines:
                 runs["cat"] = lambda new_tokens, stop_after, r=r, input_ids=input_ids: concat_generate(
                     model, input_ids, stop_after, r
@@ -356,10 +384,12 @@ def run_speed(args: argparse.Namespace) -> None:
                         f"{statistics.median(b[i] / t[i] for b, t in zip(base, rows, strict=True)):.2f}" for i in (0, 1)
                     ]
                 speed = tokens / statistics.median(wall)
+                ours = name != "hf source"  # the bound and cache are this model's, at this r
                 print(
-                    f"| {bsz} | {r} | {name} | {speed:.1f} | "
-                    f"{tokens / statistics.median(cpu):.1f} | {ratios[0]} | {ratios[1]} | {rows[0][2] / 2**20:.2f} | "
-                    f"{bound:.1f} | {100 * speed / bound:.1f} | {warmup[name]:.1f} |",
+                    f"| {bsz} | {r if ours else '-'} | {name} | {speed:.1f} | "
+                    f"{tokens / statistics.median(cpu):.1f} | {ratios[0]} | {ratios[1]} | "
+                    + (f"{rows[0][2] / 2**20:.2f} | {bound:.1f} | {100 * speed / bound:.1f}" if ours else "- | - | -")
+                    + f" | {warmup[name]:.1f} |",
                     flush=True,
                 )
 

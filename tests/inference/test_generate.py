@@ -764,3 +764,18 @@ def test_top_k_one_samples_the_argmax(model: RecurrentLM) -> None:
         assert torch.equal(generate(model, ids, options, attention_mask=mask).tokens, greedy.tokens)
     with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
         generate(model, ids, GenerationOptions(num_steps=4, top_k=-1), attention_mask=mask)
+
+
+def test_bench_speed_times_the_hf_source_beside_the_engine(capsys) -> None:
+    """--hf-source adds transformers' own generate of the plain source model: one row per batch size, no r."""
+    bench = load_tool("bench_generate")
+    argv = ["speed", "--dim", "32", "--heads", "2", "--kv-heads", "1", "--ffn", "64", "--vocab", "512"]
+    argv += ["--batch-sizes", "2", "--recurrences", "1,3", "--prompt-len", "4", "--new-tokens", "5", "--rounds", "1"]
+    bench.main([*argv, "--engines", "full", "--hf-source", str(REPO / "assets" / "tiny_llama")])
+    rows = [
+        [cell.strip() for cell in line.split("|")[1:-1]]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| 2 ")
+    ]
+    assert [(row[1], row[2]) for row in rows] == [("-", "hf source"), ("1", "full"), ("3", "full")]
+    assert float(rows[0][3]) > 0 and rows[0][9] == "-"
