@@ -305,6 +305,27 @@ def test_config_file_errors(tmp_path):
     assert "--config given more than once" in error(parse_args, ["--config", bad, "--config", bad])
 
 
+@pytest.mark.parametrize(
+    "name, content, expected",
+    [
+        ("folder.toml", None, "is a folder, not a config file"),
+        ("latin1.toml", b"[job]\ndescription = '\xe9t\xe9'\n", "not UTF-8 text (byte 0xe9 at position 21)"),
+        ("list.json", b"[1, 2]\n", "the top level is a list, not a table of sections"),
+        ("text.json", b'"job"\n', "the top level is a str, not a table of sections"),
+    ],
+)
+def test_a_config_that_is_no_table_of_sections_is_one_line(tmp_path, capsys, name, content, expected):
+    """A folder, a file that is not UTF-8, JSON whose top level is not an object: one line naming the file, exit 2
+    (each was a traceback)."""
+    from titan_recur.cli.train import main
+
+    path = tmp_path / name
+    path.mkdir() if content is None else path.write_bytes(content)
+    assert error(load_config, str(path)) == f"{path}: {expected}"
+    assert main(["--config", str(path), "--check"]) == 2
+    assert capsys.readouterr().err == f"error: {path}: {expected}\n"
+
+
 def test_help_lists_every_option(capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(["--training.steps", "abc", "--help"])

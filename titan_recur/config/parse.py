@@ -364,14 +364,23 @@ def format_help(prog: str = "train") -> str:
 
 
 def _read_file(path: str) -> dict[str, Any]:
-    """Parse a TOML file, or JSON when it ends in .json (a run's saved resolved config)."""
+    """Parse a TOML file, or JSON when it ends in .json (a run's saved resolved config): a table of sections."""
     try:
         with open(path, "rb") as f:
-            return json.load(f) if path.endswith(".json") else tomllib.load(f)
+            values = json.load(f) if path.endswith(".json") else tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a folder, not a config file") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at position {e.start})") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: cannot parse: {e}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: the top level is a {type(values).__name__}, not a table of sections")
+    return values
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
