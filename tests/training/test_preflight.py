@@ -20,6 +20,7 @@ import datasets
 import pytest
 import torch
 
+from tests.data_util import build_bpe_tokenizer
 from tests.tiny_models import SMALL, tiny_args
 from tests.torchrun_util import load_tool
 from titan_recur.cli.train import main
@@ -134,6 +135,7 @@ def test_check_plan_counts(checkout, hub_standin, monkeypatch, capsys):
             ["world size 2 is not divisible by parallel.dp_replicate=3"],
         ),
         (["--world-size", "0"], ["--world-size must be >= 1"]),
+        (["--training.seq_len", "4096"], ["training.seq_len 4096 exceeds the model's max_seq_len 2048"]),
     ],
 )
 def test_check_problems_are_one_line_each(tmp_path, capsys, argv, expected):
@@ -142,6 +144,32 @@ def test_check_problems_are_one_line_each(tmp_path, capsys, argv, expected):
     assert code == 2 and not out
     assert len(err) == len(expected) and all(e in line for e, line in zip(expected, err, strict=True)), err
     assert not dump.exists()
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("seq_len", "training.seq_len 4096 exceeds the model's max_seq_len 2048"),
+        ("dump_is_file", "a_file exists and is not a folder"),
+        ("no_held_out", "no held-out document in its first"),
+        ("other_tokenizer", "is not the tokenizer of assets/tiny_llama_recurrent (its ids mean other tokens"),
+    ],
+)
+def test_check_refuses_what_the_run_refuses(tmp_path, capsys, case, expected):
+    """Each input the run refuses before any work, --check refuses with the same line (each passed the check)."""
+    (tmp_path / "a_file").write_text("not a folder")
+    argv = {
+        "seq_len": ["--training.seq_len", "4096"],
+        "dump_is_file": ["--job.dump_folder", str(tmp_path / "a_file")],
+        "no_held_out": ["--data.validation_fraction", "1e-6"],
+        "other_tokenizer": ["--data.tokenizer", str(build_bpe_tokenizer(tmp_path))],
+    }[case]
+    argv = ["--config", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path / "run"), *argv, "--checkpoint.enable", "false"]
+    code, out, err = run_check(argv, capsys)
+    assert code == 2 and not out and len(err) == 1 and expected in err[0], err
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == err  # the run's own line
+    assert not (tmp_path / "run").exists()
 
 
 def test_check_reports_a_vocab_mismatch_and_each_unreachable_source(tmp_path, capsys):

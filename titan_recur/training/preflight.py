@@ -16,17 +16,18 @@ import sys
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from titan_recur.config import ConfigError, JobConfig, grad_accum_steps
-from titan_recur.data.loader import all_sources, check_phase_weights, check_source
-from titan_recur.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
+from titan_recur.data.loader import all_sources, check_data_config, check_phase_weights, check_source
+from titan_recur.data.tokenizer import Tokenizer, check_same_tokenizer, check_vocab, load_tokenizer
 from titan_recur.models.args import ModelArgs
 from titan_recur.storage.model_io import resolve_model_args
 from titan_recur.training import cost_model
-from titan_recur.training.metrics import format_duration
-from titan_recur.utils.limits import check_allocation
+from titan_recur.training.metrics import format_duration, import_wandb
+from titan_recur.utils.limits import check_allocation, check_seq_len
 
 # Exit status of a failed check (the trainer's EXIT_BAD_INPUT).
 EXIT_PROBLEMS = 2
@@ -104,9 +105,39 @@ class Inputs:
     problems: list[str] = field(default_factory=list)
 
 
+def check_output_folders(cfg: JobConfig) -> None:
+    """The dump and checkpoint folders must be folders (or not exist yet)."""
+    dump = Path(cfg.job.dump_folder)
+    for path in (dump, dump / cfg.checkpoint.folder):
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{path} exists and is not a folder (job.dump_folder, checkpoint.folder)")
+
+
+def check_model_fit(cfg: JobConfig, args: ModelArgs, tokenizer: Tokenizer) -> None:
+    """The model against the rest of the run: its positions hold a row, its embedding every token id, and a
+    data.tokenizer beside the model folder's own means the same ids."""
+    check_seq_len(cfg.training.seq_len, args.max_seq_len, flag="training.seq_len")
+    check_vocab(tokenizer, args.vocab_size)
+    if cfg.data.tokenizer and cfg.model.path:
+        check_same_tokenizer(tokenizer, cfg.data.tokenizer, Path(cfg.model.path), "data.tokenizer")
+
+
+def check_data(cfg: JobConfig, tokenizer: Tokenizer) -> None:
+    """The run's data check: every source's first usable document, and a held-out one for validation."""
+    check_data_config(cfg.data, tokenizer, cfg.training.seq_len, validation=cfg.validation.enable)
+
+
+def check_loggers(cfg: JobConfig) -> None:
+    """A logger the run is told to use can be imported (W&B is optional)."""
+    if cfg.metrics.enable_wandb:
+        import_wandb()
+
+
 def check_inputs(cfg: JobConfig, world_size: int) -> Inputs:
-    """Every check a run needs before it starts, each failure one line; nothing is built on a device."""
+    """Every check a run runs before it starts (the trainer calls the same functions), each failure one line;
+    nothing is built on a device. Not here: what needs the run's node (CUDA, free memory) or its checkpoints."""
     found = Inputs()
+    _attempt(found, lambda: check_output_folders(cfg))
     found.model_args = _attempt(found, lambda: resolve_model_args(cfg.model))
     folder = tokenizer_folder(cfg)
     if folder is None:
@@ -116,7 +147,8 @@ def check_inputs(cfg: JobConfig, world_size: int) -> Inputs:
     elif found.model_args is not None or folder != cfg.model.path:  # a missing model folder is one problem
         found.tokenizer = _attempt(found, lambda: load_tokenizer(folder))
     if found.tokenizer is not None and found.model_args is not None:
-        _attempt(found, lambda: check_vocab(found.tokenizer, found.model_args.vocab_size))
+        _attempt(found, lambda: check_model_fit(cfg, found.model_args, found.tokenizer))
+    _attempt(found, lambda: check_loggers(cfg))
     found.grad_accum = _attempt(found, lambda: grad_accum_steps(cfg.training, world_size))
     p = cfg.parallel
     found.mesh = _attempt(found, lambda: cost_model.dp_mesh_shape(world_size, p.dp_replicate, p.dp_shard))
@@ -138,6 +170,8 @@ def check_inputs(cfg: JobConfig, world_size: int) -> Inputs:
             found.sources.append((name, tokens))
         elif why:
             found.problems[-1] = found.problems[-1].replace(" cannot be read: ", f" cannot be read{why}: ", 1)
+    if len(found.problems) == before:  # each source read: the run's own check, held-out documents included
+        _attempt(found, lambda: check_data(cfg, found.tokenizer))
     return found
 
 

@@ -30,8 +30,8 @@ from titan_recur.config import (
     config_to_json,
     grad_accum_steps,
 )
-from titan_recur.data.loader import LoaderGeometry, build_dataloader, check_data_config
-from titan_recur.data.tokenizer import check_same_tokenizer, check_vocab, load_tokenizer
+from titan_recur.data.loader import LoaderGeometry, build_dataloader
+from titan_recur.data.tokenizer import load_tokenizer
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.loss import count_labels
 from titan_recur.models.model import RecurrentLM
@@ -55,14 +55,13 @@ from titan_recur.training import cost_model, preflight
 from titan_recur.training.build import build_model
 from titan_recur.training.cost_model import dp_mesh_shape
 from titan_recur.training.fingerprint import check_unchanged, run_fingerprint
-from titan_recur.training.metrics import MetricsLogger, import_wandb
+from titan_recur.training.metrics import MetricsLogger
 from titan_recur.training.optim import build_optimizers, clip_coefficient, grad_square_sum, scale_grads_
 from titan_recur.training.parallelize import build_dp_mesh, forward_autocast
 from titan_recur.training.profiling import PhaseTimer, StepProfiler
 from titan_recur.training.recurrence import RecurrenceSchedule
 from titan_recur.training.validation import Validator
 from titan_recur.training.watchdog import StepWatchdog, heartbeat_store
-from titan_recur.utils.limits import check_seq_len
 
 # Exit codes (docs/checkpointing.md). After SIGTERM/SIGUSR1 with the checkpoint written: Slurm scripts
 # requeue on it.
@@ -154,17 +153,15 @@ class Trainer:
         self.cfg = cfg
         self.dist = init_distributed(cfg.training.device, cfg.parallel.timeout_s)
         self.dump = Path(cfg.job.dump_folder)
-        check_output_folders(self.dump, cfg)
+        preflight.check_output_folders(cfg)
         self.model_args = resolve_model_args(cfg.model)
-        check_seq_len(cfg.training.seq_len, self.model_args.max_seq_len, flag="training.seq_len")
         self.tokenizer = self._load_tokenizer()
         self.dp_world = self.dist.world_size
         dp_mesh_shape(self.dp_world, cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
         self.grad_accum = grad_accum_steps(cfg.training, self.dp_world)
         preflight.check_step_memory(cfg, self.model_args, self.dp_world, self.dist.device)
-        check_data_config(cfg.data, self.tokenizer, cfg.training.seq_len, validation=cfg.validation.enable)
-        if cfg.metrics.enable_wandb:
-            import_wandb()  # a missing wandb is one line before any work
+        preflight.check_data(cfg, self.tokenizer)
+        preflight.check_loggers(cfg)  # a missing wandb is one line before any work
         torch.manual_seed(cfg.job.seed + self.dist.rank)
         if cfg.job.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -214,9 +211,7 @@ class Trainer:
                 "set data.tokenizer (a folder with tokenizer files) when training from model.preset or from scratch"
             )
         tokenizer = load_tokenizer(folder)
-        check_vocab(tokenizer, self.model_args.vocab_size)
-        if self.cfg.data.tokenizer and self.cfg.model.path:
-            check_same_tokenizer(tokenizer, self.cfg.data.tokenizer, Path(self.cfg.model.path), "data.tokenizer")
+        preflight.check_model_fit(self.cfg, self.model_args, tokenizer)
         if self.cfg.model.dim is not None:  # from scratch: the special tokens are the tokenizer's
             self.model_args = dataclasses.replace(
                 self.model_args, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id
@@ -640,10 +635,3 @@ def take_run_locks(folders: list[tuple[Path, str]]) -> list[DumpFolderLock]:
         refusal.said_by_rank0 = True  # type: ignore[union-attr]
         raise refusal
     return locks
-
-
-def check_output_folders(dump: Path, cfg: JobConfig) -> None:
-    """The dump and checkpoint folders must be folders (or not exist yet)."""
-    for path in (dump, dump / cfg.checkpoint.folder):
-        if path.exists() and not path.is_dir():
-            raise ConfigError(f"{path} exists and is not a folder (job.dump_folder, checkpoint.folder)")
