@@ -93,3 +93,33 @@ def test_trace_folders_beside_the_checkpoints_are_accepted(tmp_path, save_folder
     override = ["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.folder", checkpoint_folder]
     override += ["--profiling.trace_steps", "2", "--profiling.save_folder", save_folder]
     assert load_config("train_configs/debug_model.toml", override).profiling.save_folder == save_folder
+
+
+@pytest.mark.parametrize("save_folder", ["/elsewhere/traces", "../traces", "profile/../../traces"])
+def test_trace_folders_outside_the_dump_folder_are_refused(tmp_path, save_folder):
+    """Every output of a run stays in its dump folder: an absolute or ../ save_folder wrote beside it silently."""
+    override = ["--job.dump_folder", str(tmp_path / "run"), "--profiling.trace_steps", "2"]
+    with pytest.raises(ConfigError) as err:
+        load_config("train_configs/debug_model.toml", [*override, "--profiling.save_folder", save_folder])
+    assert str(err.value) == (
+        f"invalid config: profiling.save_folder {save_folder!r} is outside job.dump_folder ({tmp_path / 'run'}): "
+        "traces stay with the run; give a folder relative to it (default 'profile')"
+    )
+    inside = str(tmp_path / "run" / "traces")  # an absolute path into the dump folder is that folder
+    assert load_config("train_configs/debug_model.toml", [*override, "--profiling.save_folder", inside])
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_a_trace_folder_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, check):
+    """It failed at the traced step (exit 1) after the run had started; now one line, exit 2, nothing written."""
+    from titan_recur.cli.train import main
+
+    dump = tmp_path / "run"
+    dump.mkdir()
+    (dump / "traces").write_text("keep me")
+    argv = ["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(dump), "--training.steps", "2"]
+    argv += ["--profiling.trace_steps", "1", "--profiling.save_folder", "traces/cpu"] + (["--check"] if check else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {dump / 'traces'} exists and is not a folder (profiling.save_folder)\n", err
+    assert sorted(p.name for p in dump.iterdir()) == ["traces"] and (dump / "traces").read_text() == "keep me"

@@ -377,7 +377,9 @@ class Profiling:
         "GPU, a table of the operators by CPU memory allocated on CPU.",
     )
     save_folder: str = opt(
-        "profile", "Folder for the traces, relative to job.dump_folder; never the checkpoint folder or final_model/."
+        "profile",
+        "Folder for the traces, relative to job.dump_folder and inside it; never the checkpoint folder or "
+        "final_model/.",
     )
 
 

@@ -146,6 +146,11 @@ def _validate_profiling(cfg: JobConfig) -> None:
     )
     dump = Path(os.path.abspath(cfg.job.dump_folder))
     traces = Path(os.path.normpath(dump / p.save_folder))
+    _require(
+        traces == dump or dump in traces.parents,
+        f"profiling.save_folder {p.save_folder!r} is outside job.dump_folder ({dump}): traces stay with the run; "
+        "give a folder relative to it (default 'profile')",
+    )
     checkpoints = Path(os.path.normpath(dump / cfg.checkpoint.folder))
     for folder, what in ((checkpoints, "the checkpoint folder"), (dump / FINAL_MODEL_FOLDER, "the final model folder")):
         _require(

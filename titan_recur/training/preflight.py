@@ -106,11 +106,16 @@ class Inputs:
 
 
 def check_output_folders(cfg: JobConfig) -> None:
-    """The dump and checkpoint folders must be folders (or not exist yet)."""
+    """The run's output folders, and those above them, must be folders (or not exist yet): else the run fails
+    where it first writes there (a trace folder at its traced step)."""
     dump = Path(cfg.job.dump_folder)
-    for path in (dump, dump / cfg.checkpoint.folder):
-        if path.exists() and not path.is_dir():
-            raise ConfigError(f"{path} exists and is not a folder (job.dump_folder, checkpoint.folder)")
+    outputs = {"job.dump_folder": dump, "checkpoint.folder": dump / cfg.checkpoint.folder}
+    if cfg.profiling.trace_steps:
+        outputs["profiling.save_folder"] = dump / cfg.profiling.save_folder
+    for setting, folder in outputs.items():
+        blocking = next((path for path in (folder, *folder.parents) if path.exists() and not path.is_dir()), None)
+        if blocking is not None:
+            raise ConfigError(f"{blocking} exists and is not a folder ({setting})")
 
 
 def check_model_fit(cfg: JobConfig, args: ModelArgs, tokenizer: Tokenizer) -> None:
