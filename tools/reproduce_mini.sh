@@ -26,7 +26,8 @@
 # (`a = 3 ; b = a + 5 ; c = b * 7 ; c mod 10 ?`, rows of 160 tokens, the loss on the answers only) on a
 # source pretrained on it (bash tools/make_mini_source.sh --task arith, then --source OUT/hf).
 # --surgery replaces --shape 1,2,1 in the recurrent conversion (e.g. "--prelude 0 --core 1-2 --coda 5",
-# docs/surgery.md's study); --static-factors chooses the static arms ("" for none).
+# docs/surgery.md's study; checked by a dry run of that conversion before --out is touched);
+# --static-factors chooses the static arms ("" for none).
 # --quick: seed 0, 120 steps, the 1x static arm, 50 questions per length 7-12 (long chains only),
 # r = 1 and 4, both runs on 2 ranks (torchrun + gloo + FSDP2): the test suite's run, which asserts the
 # effect's direction on it.
@@ -49,7 +50,7 @@ while [ $# -gt 0 ]; do
     --source) SOURCE=${2:?--source needs an HF model folder}; shift ;;
     --surgery) SURGERY=${2:?--surgery needs convert_hf.py flags}; shift ;;
     --static-factors) FACTORS_ARG=${2?--static-factors needs a list}; shift ;;
-    -h|--help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "reproduce_mini.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -109,6 +110,16 @@ if [ ! -f "$SOURCE/config.json" ]; then
   echo "reproduce_mini.sh: error: --source $SOURCE: no HF model folder (config.json)" >&2
   exit 2
 fi
+# The recurrent conversion's flags (--surgery) on the source, as a dry run, before $OUT is replaced.
+DRY_RUN_OUT=$(mktemp -d)
+# shellcheck disable=SC2086  # --surgery is a list of flags
+if ! CONVERT_ERROR=$("$PY" tools/convert_hf.py "$SOURCE" "$DRY_RUN_OUT/recurrent" ${SURGERY:---shape $SHAPE} \
+    --mean-recurrence "$MEAN" --dry-run 2>&1 > /dev/null); then
+  rmdir "$DRY_RUN_OUT"
+  echo "reproduce_mini.sh: error: --surgery '${SURGERY:---shape $SHAPE}' (the recurrent conversion of $SOURCE): ${CONVERT_ERROR##*error: }" >&2
+  exit 2
+fi
+rmdir "$DRY_RUN_OUT"
 rm -rf "$OUT"
 mkdir -p "$OUT/configs" "$OUT/logs"
 TIMINGS="$OUT/timings.tsv"

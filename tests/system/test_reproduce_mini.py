@@ -265,3 +265,24 @@ def test_make_mini_source_refuses_a_bad_request_before_any_work(argv: list[str],
     )
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "surgery, message",
+    [("--bogus 3", "unrecognized arguments: --bogus 3"), ("--prelude 0 --core 9 --coda 1", "layer 9 is out of range")],
+)
+def test_reproduce_mini_checks_its_surgery_before_any_work(surgery: str, message: str, tmp_path: Path) -> None:
+    """Bad --surgery flags are one line and exit 2 before --out is touched: they were found by the conversion
+    stage, after an earlier output had been deleted and the task rebuilt (24 s)."""
+    out = tmp_path / "mini"
+    out.mkdir()
+    (out / "timings.tsv").write_text("an earlier output of the script\n")
+    result = subprocess.run(
+        ["bash", "tools/reproduce_mini.sh", "--out", str(out), "--surgery", surgery],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("reproduce_mini.sh: error: --surgery") and message in result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["timings.tsv"]
