@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -206,6 +207,48 @@ def test_ctrl_c_to_torchrun_checkpoints_without_a_traceback_per_rank(tmp_path):
     assert "[rank0]: Traceback" not in output and "[rank1]: Traceback" not in output, output[-4000:]
     assert "KeyboardInterrupt" not in output, output[-4000:]
     assert output.count(f"preemption signal at step {stopped}: checkpoint") == 1, output[-4000:]
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under ``folder``: its mtime and bytes."""
+    return {
+        str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.rglob("*") if p.is_file()
+    }
+
+
+def test_a_new_run_never_replaces_a_finished_runs_model_without_force(tmp_path, capsys):
+    """A finished run whose checkpoints are gone: a new run there (and its --check) is refused in one line naming
+    final_model/ and --force, nothing touched (before: final_model/ and config.json replaced, rc 0, and
+    metrics.jsonl listed every step twice). With --force it starts over and replaces the model."""
+    dump = tmp_path / "run"
+    argv = ["--config", DEBUG_CONFIG, "--job.dump_folder", str(dump), "--training.steps", "1"]
+    argv += ["--validation.enable", "false", "--checkpoint.interval", "1"]
+    assert main(argv) == 0
+    shutil.rmtree(dump / "checkpoints")
+    before = snapshot(dump)
+    capsys.readouterr()
+    for extra in ([], ["--check"]):
+        code, err = run_main([*argv, *extra], capsys)
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert f"{dump / 'final_model'} holds a finished run's model" in err and "pass --force" in err, err
+    assert snapshot(dump) == before
+    assert main([*argv, "--force"]) == 0
+    after = snapshot(dump)
+    assert after["final_model/model.safetensors"][0] > before["final_model/model.safetensors"][0]
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_a_file_named_final_model_is_refused_before_any_work(tmp_path, capsys, force):
+    """The final export replaced it without a word at the end of the run; --force replaces only a model."""
+    dump = tmp_path / "run"
+    dump.mkdir()
+    (dump / "final_model").write_text("keep me")
+    code, err = run_main(
+        ["--config", DEBUG_CONFIG, "--job.dump_folder", str(dump), "--training.steps", "1", *force], capsys
+    )
+    assert code == 2 and err == f"error: {dump / 'final_model'} exists and is not a folder (checkpoint.export_final)"
+    assert sorted(p.name for p in dump.iterdir()) == ["final_model"]
+    assert (dump / "final_model").read_text() == "keep me"
 
 
 def test_a_static_run_logs_no_recurrence_fields(tmp_path, capsys):

@@ -30,18 +30,20 @@ _BAD_INPUT = (ConfigError, CheckpointError, FileNotFoundError, NotADirectoryErro
 
 def main(argv: list[str] | None = None) -> int:
     """Train; every failure the user can act on is one line on stderr (prefixed by the rank when several)."""
+    argv = sys.argv[1:] if argv is None else argv
+    force = "--force" in argv  # start over where an earlier run finished (preflight.check_finished_run)
     try:
-        check, argv = preflight.split_check_args(sys.argv[1:] if argv is None else argv)
+        check, argv = preflight.split_check_args([arg for arg in argv if arg != "--force"])
         cfg = parse_args(argv)
     except ConfigError as err:  # the same command line on every rank: said once
         if int(os.environ.get("RANK", 0)) == 0:
             report_error(str(err))
         return EXIT_BAD_INPUT
     if check is not None:
-        return preflight.main_check(cfg, check)
+        return preflight.main_check(cfg, check, force)
     trainer = None
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, force)
         return trainer.train()
     except KeyboardInterrupt:
         return report_interrupt(trainer)

@@ -329,7 +329,7 @@ def _field_help(cls: type, table: str, indent: str, cli: bool) -> list[str]:
 def format_help(prog: str = "train") -> str:
     """Every option, grouped by section, with its doc, type and default."""
     lines = [
-        f"usage: {prog} [--config FILE] [--section.key VALUE | --section.key=VALUE ...]",
+        f"usage: {prog} [--config FILE] [--force] [--section.key VALUE | --section.key=VALUE ...]",
         f"       {prog} --config FILE --check [--world-size N] [--assume-mfu F] [--gpu NAME] [overrides ...]",
         "",
         "Defaults < config file < command line. Lists are comma-separated (1,2,4); 'none' sets an",
@@ -344,6 +344,9 @@ def format_help(prog: str = "train") -> str:
         "  --print-config",
         "      Print the resolved config (defaults < file < command line, values checked) as JSON and",
         "      exit, before any model, tokenizer or data file is opened; --config reads the output back.",
+        "  --force",
+        "      Start over in a dump folder where an earlier run finished and left no checkpoint to continue",
+        "      from: its final_model/ and config.json are replaced (refused without --force).",
         "  -h, --help",
         "      Show this help and exit.",
         "",

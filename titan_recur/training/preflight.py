@@ -20,11 +20,12 @@ from pathlib import Path
 
 import torch
 
-from titan_recur.config import ConfigError, JobConfig, grad_accum_steps
+from titan_recur.config import FINAL_MODEL_FOLDER, ConfigError, JobConfig, grad_accum_steps
 from titan_recur.data.loader import all_sources, check_data_config, check_phase_weights, check_source
 from titan_recur.data.tokenizer import Tokenizer, check_same_tokenizer, check_vocab, load_tokenizer
 from titan_recur.models.args import ModelArgs
-from titan_recur.storage.model_io import resolve_model_args
+from titan_recur.storage.checkpoint import scan_checkpoints
+from titan_recur.storage.model_io import check_output_folder, resolve_model_args
 from titan_recur.training import cost_model
 from titan_recur.training.metrics import format_duration, import_wandb
 from titan_recur.utils.limits import check_allocation, check_seq_len
@@ -112,10 +113,28 @@ def check_output_folders(cfg: JobConfig) -> None:
     outputs = {"job.dump_folder": dump, "checkpoint.folder": dump / cfg.checkpoint.folder}
     if cfg.profiling.trace_steps:
         outputs["profiling.save_folder"] = dump / cfg.profiling.save_folder
+    if cfg.checkpoint.export_final:
+        outputs["checkpoint.export_final"] = dump / FINAL_MODEL_FOLDER
     for setting, folder in outputs.items():
         blocking = next((path for path in (folder, *folder.parents) if path.exists() and not path.is_dir()), None)
         if blocking is not None:
             raise ConfigError(f"{blocking} exists and is not a folder ({setting})")
+
+
+def check_finished_run(cfg: JobConfig, force: bool) -> None:
+    """A run with no checkpoint to continue from starts over: where an earlier run finished, it would replace
+    that run's final_model/ and config.json and log its steps again, so that takes --force (and replaces only
+    a trained model). Continuing from the folder's checkpoints replaces the run's own model: no question."""
+    dump = Path(cfg.job.dump_folder)
+    final, checkpoints = dump / FINAL_MODEL_FOLDER, dump / cfg.checkpoint.folder
+    if not final.is_dir() or (cfg.checkpoint.enable and scan_checkpoints(checkpoints).complete):
+        return
+    if not force:
+        raise ConfigError(
+            f"{final} holds a finished run's model and {checkpoints} no checkpoint to continue it from: this run "
+            "would start over and replace it; choose another job.dump_folder, or pass --force to replace it"
+        )
+    check_output_folder(final, force, replaceable_kind="trained", error=ConfigError)
 
 
 def check_model_fit(cfg: JobConfig, args: ModelArgs, tokenizer: Tokenizer) -> None:
@@ -138,11 +157,12 @@ def check_loggers(cfg: JobConfig) -> None:
         import_wandb()
 
 
-def check_inputs(cfg: JobConfig, world_size: int) -> Inputs:
+def check_inputs(cfg: JobConfig, world_size: int, force: bool = False) -> Inputs:
     """Every check a run runs before it starts (the trainer calls the same functions), each failure one line;
     nothing is built on a device. Not here: what needs the run's node (CUDA, free memory) or its checkpoints."""
     found = Inputs()
     _attempt(found, lambda: check_output_folders(cfg))
+    _attempt(found, lambda: check_finished_run(cfg, force))
     found.model_args = _attempt(found, lambda: resolve_model_args(cfg.model))
     folder = tokenizer_folder(cfg)
     if folder is None:
@@ -313,9 +333,9 @@ def check_step_memory(cfg: JobConfig, args: ModelArgs, world_size: int, device: 
     )
 
 
-def run_check(cfg: JobConfig, options: CheckOptions) -> tuple[list[str], list[str]]:
+def run_check(cfg: JobConfig, options: CheckOptions, force: bool = False) -> tuple[list[str], list[str]]:
     """(plan lines, problems): the plan when every check passed, else one line per problem."""
-    found = check_inputs(cfg, options.world_size)
+    found = check_inputs(cfg, options.world_size, force)
     if found.problems:
         return [], found.problems
     assert found.model_args is not None and found.tokenizer is not None  # no problems: both were read
@@ -330,9 +350,9 @@ def run_check(cfg: JobConfig, options: CheckOptions) -> tuple[list[str], list[st
     return lines, []
 
 
-def main_check(cfg: JobConfig, options: CheckOptions) -> int:
+def main_check(cfg: JobConfig, options: CheckOptions, force: bool = False) -> int:
     """``--check``: print the plan (exit 0) or one line per problem on stderr (exit 2); writes nothing."""
-    lines, problems = run_check(cfg, options)
+    lines, problems = run_check(cfg, options, force)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     if problems:

@@ -149,11 +149,13 @@ class NonFiniteError(RuntimeError):
 class Trainer:
     """Builds everything from the config (checking inputs first), then runs the loop."""
 
-    def __init__(self, cfg: JobConfig) -> None:
+    def __init__(self, cfg: JobConfig, force: bool = False) -> None:
+        """``force``: start over where an earlier run finished, replacing its final_model/ (``--force``)."""
         self.cfg = cfg
         self.dist = init_distributed(cfg.training.device, cfg.parallel.timeout_s)
         self.dump = Path(cfg.job.dump_folder)
         preflight.check_output_folders(cfg)
+        preflight.check_finished_run(cfg, force)
         self.model_args = resolve_model_args(cfg.model)
         self.tokenizer = self._load_tokenizer()
         self.dp_world = self.dist.world_size
