@@ -57,6 +57,11 @@ MODULUS = 10
 ARITH_VARIABLES = "abcdefghijklmnopq"  # a start binding and up to 16 steps
 ARITH_OPERATIONS = "+-*"
 ARITH_FACTORS = (3, 7, 9)  # the multipliers: units mod 10
+# Bounds of the arguments (in --help): far beyond the miniature's (lengths 1-16, 100,000 records), and small
+# enough that the largest request takes a minute and a few GB, not a MemoryError or an hour.
+MAX_LENGTH = 64
+MAX_TRAIN_EXAMPLES = 1_000_000
+MAX_EVAL_EXAMPLES = 10_000
 
 
 class Parser(argparse.ArgumentParser):
@@ -346,15 +351,30 @@ def write(out: Path, splits: dict[str, list[dict]], prefix: str, params: dict[st
 
 
 def parse_lengths(text: str) -> range:
-    """'7-12' -> range(7, 13); '4' -> range(4, 5)."""
-    low, _, high = text.partition("-")
+    """'7-12' -> range(7, 13); '4' -> range(4, 5). An open range ('1-') is an error, not '1'."""
+    low, dash, high = text.partition("-")
     try:
-        first, last = int(low), int(high or low)
+        first, last = int(low), int(high if dash else low)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a length or a range A-B, got {text!r}") from None
-    if not 1 <= first <= last:
-        raise argparse.ArgumentTypeError(f"lengths must be 1 <= A <= B, got {text!r}")
+    if not 1 <= first <= last <= MAX_LENGTH:
+        raise argparse.ArgumentTypeError(f"lengths must be 1 <= A <= B <= {MAX_LENGTH}, got {text!r}")
     return range(first, last + 1)
+
+
+def bounded_count(limit: int) -> Callable[[str], int]:
+    """An argparse type: an integer from 1 to ``limit``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not 1 <= value <= limit:
+            raise argparse.ArgumentTypeError(f"expected 1 to {limit}, got {value}")
+        return value
+
+    return parse
 
 
 def optional_lengths(text: str) -> range:
@@ -370,13 +390,14 @@ def build_parser() -> Parser:
         "--train-lengths",
         type=parse_lengths,
         default=None,
-        help="training chain lengths A-B (default: perm and arith 1-12; mod10 1-max_steps)",
+        help=f"training chain lengths A-B, at most {MAX_LENGTH} (default: perm and arith 1-12; mod10 1-max_steps)",
     )
     p.add_argument(
         "--eval-lengths",
         type=parse_lengths,
         default=None,
-        help="evaluation lengths A-B, one task each (default: the training lengths; mod10 1-2*max_steps)",
+        help=f"evaluation lengths A-B (at most {MAX_LENGTH}), one task each (default: the training lengths; "
+        "mod10 1-2*max_steps)",
     )
     p.add_argument(
         "--extrapolation-lengths",
@@ -387,12 +408,22 @@ def build_parser() -> Parser:
     )
     p.add_argument(
         "--max-steps",
-        type=int,
+        type=bounded_count(MAX_LENGTH // 2),
         default=4,
-        help="mod10: longest training chain; evaluation runs to 2 x max_steps (default 4)",
+        help=f"mod10: longest training chain; evaluation runs to 2 x max_steps (default 4, at most {MAX_LENGTH // 2})",
     )
-    p.add_argument("--train-examples", type=int, default=100_000, help="training records (default 100000)")
-    p.add_argument("--eval-examples", type=int, default=100, help="evaluation records per length (default 100)")
+    p.add_argument(
+        "--train-examples",
+        type=bounded_count(MAX_TRAIN_EXAMPLES),
+        default=100_000,
+        help=f"training records (default 100000, at most {MAX_TRAIN_EXAMPLES})",
+    )
+    p.add_argument(
+        "--eval-examples",
+        type=bounded_count(MAX_EVAL_EXAMPLES),
+        default=100,
+        help=f"evaluation records per length (default 100, at most {MAX_EVAL_EXAMPLES})",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the questions (default 0)")
     p.add_argument("--perm-seed", type=int, default=0, help="perm: seed of the two permutations (default 0)")
     return p
@@ -420,8 +451,9 @@ def build_task(ns: argparse.Namespace) -> tuple[Task, dict[str, object]]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if ns.max_steps < 1 or ns.train_examples < 1 or ns.eval_examples < 1:
-        parser.error("--max-steps, --train-examples and --eval-examples must be >= 1")
+    existing = next(path for path in (ns.out, *ns.out.parents) if path.exists())
+    if not existing.is_dir():
+        parser.error(f"--out {ns.out}: {existing} exists and is not a folder")
     task, params = build_task(ns)
     train_lengths = ns.train_lengths or task.lengths
     eval_lengths = ns.eval_lengths or (range(1, 2 * ns.max_steps + 1) if task.name == "mod10" else train_lengths)

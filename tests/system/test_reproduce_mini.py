@@ -166,6 +166,12 @@ def test_mod10_task_stays_available(depth_task, tmp_path: Path) -> None:
         ["--task", "other"],
         ["--eval-lengths", "1-13"],  # overlaps the default extrapolation split 13-16
         ["--task", "arith", "--extrapolation-lengths", "13-20"],  # longer than the variables allow
+        ["--train-lengths", "1-"],  # an open range: was read as 1-1
+        ["--eval-lengths", "17-65"],  # the bounds (in --help): else a MemoryError or an hour's work
+        ["--extrapolation-lengths", "13-1000000000"],
+        ["--train-examples", "1000001"],
+        ["--eval-examples", "10001"],
+        ["--task", "mod10", "--max-steps", "33"],
     ],
 )
 def test_bad_arguments_exit_2(depth_task, tmp_path: Path, capsys: pytest.CaptureFixture, argv: list[str]) -> None:
@@ -174,6 +180,26 @@ def test_bad_arguments_exit_2(depth_task, tmp_path: Path, capsys: pytest.Capture
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.count("\n") == 1
     assert not (tmp_path / "task").exists()
+
+
+def test_out_that_is_a_file_is_one_line(depth_task, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--out naming a file (or a folder under one) is one line and exit 2, and the file is kept."""
+    taken = tmp_path / "taken"
+    taken.write_text("keep me")
+    for out in (taken, taken / "task"):
+        with pytest.raises(SystemExit) as exit_info:
+            depth_task.main(["--out", str(out), "--train-examples", "10", "--eval-examples", "2"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1 and "not a folder" in err, err
+    assert taken.read_text() == "keep me"
+
+
+def test_help_states_the_bounds(depth_task, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        depth_task.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for bound in ("at most 64", "at most 1000000", "at most 10000", "at most 32"):
+        assert bound in help_text, bound
 
 
 def test_task_yamls_score_exact_match(depth_task, tmp_path: Path) -> None:
