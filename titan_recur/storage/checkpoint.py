@@ -442,8 +442,9 @@ def verify_checkpoint(path: Path, *, checksums: bool = True, required: bool = Fa
                     "checkpoint.verify = false to load it unchecked"
                 )
             return None
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        mine = [name for name in sorted(manifest["files"]) if _owner(name, world) == rank]
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        listed = [name for name in manifest["files"] if _owner(name, world) == _rank()]
+        mine = sorted({*listed, *_own_files(path)})  # a file on disk the manifest leaves out is refused
         try:
             check_files(path, manifest["files"], mine, checksums)
         except IntegrityError as err:
@@ -486,9 +487,9 @@ def _dcp_load(path: Path, states: dict[str, Stateful]) -> None:
 
 def _own_files(folder: Path) -> list[str]:
     """The files of a step folder this rank checksums: the shards it wrote (rank 0 also the rest)."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    world = dist.get_world_size() if dist.is_initialized() else 1
     names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_NAME)
-    return [name for name in names if _owner(name, world) == rank]
+    return [name for name in names if _owner(name, world) == _rank()]
 
 
 def _owner(name: str, world: int) -> int:
@@ -558,8 +559,12 @@ def _quiet_without_process_group() -> Iterator[None]:
         yield
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return _rank() == 0
 
 
 def _log_rank0(message: str) -> None:

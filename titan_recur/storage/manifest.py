@@ -96,9 +96,14 @@ def folder_kind(folder: Path) -> str | None:
 
 
 def check_files(folder: Path, files: dict[str, dict[str, Any]], names: list[str], checksums: bool) -> None:
-    """Each named file exists with its recorded size (and, with ``checksums``, its recorded checksum)."""
+    """Each named file is listed, exists with its recorded size (and, with ``checksums``, its recorded checksum).
+
+    A file the manifest leaves out cannot be checked: it is refused like a corrupt one, never read unchecked.
+    """
     for name in names:
-        path, entry = Path(folder) / name, files[name]
+        path, entry = Path(folder) / name, files.get(name)
+        if entry is None:
+            raise IntegrityError(f"{path}: not listed in {MANIFEST_NAME} (its contents cannot be checked)")
         if not path.is_file():
             raise IntegrityError(f"{path}: missing (listed in {MANIFEST_NAME})")
         size = path.stat().st_size
@@ -110,7 +115,7 @@ def check_files(folder: Path, files: dict[str, dict[str, Any]], names: list[str]
 
 
 def verify_folder(folder: Path, names: list[str]) -> None:
-    """Check the named files of a model folder against its manifest (those it lists); no manifest: no check."""
+    """Check the named files of a model folder against its manifest, which must list each; no manifest: no check."""
     manifest = read_manifest(folder)
     if manifest is not None:
-        check_files(folder, manifest["files"], [n for n in names if n in manifest["files"]], checksums=True)
+        check_files(folder, manifest["files"], names, checksums=True)
