@@ -264,6 +264,34 @@ def test_unverified_loads_a_folder_without_manifest_and_says_so(unsealed_model, 
     assert code == 0, capsys.readouterr().err
 
 
+@pytest.fixture
+def unsealed_step(tmp_path) -> Path:
+    """A run's DCP step folder (the shipped model's weights) without its manifest."""
+    from titan_recur.storage.checkpoint import CheckpointManager, ModelState
+
+    CheckpointManager(
+        tmp_path / "checkpoints", {"model": ModelState(load_model(MODEL))}, interval=1, keep_latest_k=0
+    ).save(1)
+    step = tmp_path / "checkpoints" / "step-1"
+    (step / MANIFEST_NAME).unlink()
+    return step
+
+
+def test_a_step_folder_without_its_manifest_needs_unverified(unsealed_step, tmp_path, capsys):
+    """generate, eval and export_hf loaded it unchecked without a word (rc 0); model folders need --unverified."""
+    from titan_recur.cli.export import main as export_main
+
+    model = ["--checkpoint", str(unsealed_step), "--model-config", str(MODEL)]
+    generation = [*model, "--prompt", "1 2", "--max-new-tokens", "2"]
+    loss = [*loss_args(tmp_path)[:1], *model, *loss_args(tmp_path)[3:]]
+    export = [str(unsealed_step), str(tmp_path / "hf"), "--model-config", str(MODEL)]
+    for command, argv in ((generate_main, generation), (eval_main, loss), (export_main, export)):
+        one_error_line(capsys, command(argv), f"{unsealed_step} has no manifest.json", "--unverified")
+    assert not (tmp_path / "loss").exists() and not (tmp_path / "hf").exists()
+    for command, argv in ((generate_main, generation), (eval_main, loss), (export_main, export)):
+        assert command([*argv, "--unverified"]) == 0, capsys.readouterr().err
+
+
 def test_the_shipped_model_folders_are_sealed():
     for folder in (MODEL, ASSETS / "perm_llama"):
         assert (folder / MANIFEST_NAME).is_file(), folder

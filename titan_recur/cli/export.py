@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--unverified",
         action="store_true",
-        help="export a model folder that has no manifest.json, its files unchecked (the export is sealed anew)",
+        help="export a model folder or DCP step folder that has no manifest.json, its files unchecked (the export "
+        "is sealed anew)",
     )
     parser.add_argument(
         "--eval-table",

@@ -57,7 +57,7 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--unverified",
         action="store_true",
-        help="load a model folder that has no manifest.json, its files unchecked (titan_recur "
+        help="load a model folder or DCP step folder that has no manifest.json, its files unchecked (titan_recur "
         "seals every folder it writes; a missing manifest means it was deleted or hand-made)",
     )
 

@@ -10,7 +10,14 @@ from titan_recur.data.tokenizer import Tokenizer, check_same_tokenizer, check_vo
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.model import RecurrentLM
 from titan_recur.storage.checkpoint import ModelState, load_from
-from titan_recur.storage.model_io import DTYPES, WEIGHTS_NAME, check_not_hf_export, load_model, read_model_args
+from titan_recur.storage.model_io import (
+    DTYPES,
+    WEIGHTS_NAME,
+    check_not_hf_export,
+    load_model,
+    read_model_args,
+    require_manifest,
+)
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -62,7 +69,7 @@ def load_checkpoint(
     path: a model folder (config.json + model.safetensors: converted, a run's final_model/, ...), or a
     DCP step folder (``<dump>/checkpoints/step-N``), whose architecture comes from the model folder
     ``model_config`` (DCP stores tensors only). A DCP step loads into a plain module, no process group.
-    A model folder without its manifest loads only with ``unverified`` (storage/model_io.py).
+    A folder of either kind without its manifest loads only with ``unverified`` (storage/model_io.py).
     """
     path = Path(path)
     if dtype not in DTYPES:
@@ -70,6 +77,7 @@ def load_checkpoint(
     args = checkpoint_model_args(path, model_config)
     if not is_dcp_checkpoint(path):
         return load_model(path, device=device, dtype=DTYPES[dtype], unverified=unverified)
+    require_manifest(path, unverified)
     model = RecurrentLM(args)
     load_from(path, {"model": ModelState(model)})
     return model.to(device=device, dtype=DTYPES[dtype]).eval()

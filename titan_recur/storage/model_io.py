@@ -151,11 +151,7 @@ def read_weights(folder: str | Path, unverified: bool = False) -> dict[str, torc
     check_not_hf_export(folder)
     if not weights.is_file():
         raise FileNotFoundError(f"{weights}: no such file")
-    if read_manifest(Path(folder)) is None and not unverified:
-        raise UnverifiedFolderError(
-            f"{folder} has no {MANIFEST_NAME}: its files cannot be verified (titan_recur seals every model folder "
-            f"it writes); load it unchecked with --unverified (load_model(..., unverified=True)), or write it again"
-        )
+    require_manifest(folder, unverified)
     verify_folder(Path(folder), [CONFIG_NAME, WEIGHTS_NAME])  # the files a load reads
     try:
         return load_file(str(weights))
@@ -172,8 +168,18 @@ def load_model(
     return model.to(device=device, dtype=dtype).eval()
 
 
+def require_manifest(folder: str | Path, unverified: bool) -> None:
+    """A folder titan_recur wrote (a model folder, a DCP step) always has a manifest: one without (deleted, or
+    assembled by hand) loads only ``unverified``, unchecked, else nothing would say its files are unchecked."""
+    if read_manifest(Path(folder)) is None and not unverified:
+        raise UnverifiedFolderError(
+            f"{folder} has no {MANIFEST_NAME}: its files cannot be verified (titan_recur seals every folder it "
+            "writes); load it unchecked with --unverified (unverified=True), or write it again"
+        )
+
+
 class UnverifiedFolderError(ValueError):
-    """A titan_recur model folder without its manifest.json."""
+    """A titan_recur model folder or DCP step folder without its manifest.json."""
 
 
 def copy_tokenizer_files(source: Path, destination: Path) -> list[str]:
