@@ -1,10 +1,13 @@
 """Summarize tools/reproduce_mini.sh's comparison: accuracy per chain length over seeds, and the headline plots.
 
     python tools/summarize_mini.py OUT/compare/compare.json --task OUT/task/task.json --out OUT/summary [--long 7-12]
+        [--train OUT/task/train.jsonl]
 
 Reads compare.json (tools/compare.py; tasks named <prefix>_<length>, as tools/make_depth_task.py
-writes them) and the task's task.json (questions per length, the extrapolation lengths, which lengths
-are held out of training), and writes into --out:
+writes them), the task's task.json (questions per length, the extrapolation lengths) and its
+eval_<length>.jsonl beside it, and --train, the training file the models saw (default: train.jsonl beside
+task.json): per length, how many evaluation questions occur in it (held out: none), counted here, since
+another question set's task.json speaks of its own training file. Writes into --out:
   summary.json   per arm (the seeds of an arm together: recurrent_s0, recurrent_s1, ... form "recurrent",
                  static_x2_s0, ... form "static_x2") and point: accuracy per length, the means over the
                  long, short and extrapolation lengths, the answer-only held-out loss, training FLOPs;
@@ -29,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from make_depth_task import parse_lengths  # a sibling: tools/ is sys.path[0] for a script
+from make_depth_task import format_lengths, parse_lengths  # a sibling: tools/ is sys.path[0] for a script
 
 from titan_recur.eval.comparison import PREFERRED_METRICS
 from titan_recur.utils.plots import pyplot, save_figure
@@ -98,14 +101,45 @@ def spread(values: list[float], questions: int | None = None) -> dict[str, Any]:
 
 
 def length_groups(lengths: dict[str, int], long: range, task: dict[str, Any]) -> dict[str, set[int]]:
-    """The long, extrapolation and short lengths among those the report evaluated."""
+    """The long, extrapolation and short lengths among those the report evaluated: long, the --long lengths
+    within the training range; short, the lengths below them (a length above them is in no group)."""
     evaluated = set(lengths.values())
     extrapolation = set(task.get("extrapolation_lengths") or []) & evaluated
-    long_set = (set(long) & evaluated) - extrapolation
-    return {"long": long_set, "extrapolation": extrapolation, "short": evaluated - long_set - extrapolation}
+    in_range = evaluated - extrapolation
+    long_set = set(long) & in_range
+    if not long_set:
+        raise ValueError(
+            f"--long {format_lengths(list(long))} names no length the report evaluated within the training range "
+            f"({format_lengths(sorted(in_range))}); lengths beyond training, {format_lengths(sorted(extrapolation))}, "
+            "are reported on their own"
+        )
+    return {"long": long_set, "extrapolation": extrapolation, "short": {n for n in in_range if n < min(long_set)}}
 
 
-def summarize(report: dict[str, Any], long: range, task: dict[str, Any]) -> dict[str, Any]:
+def questions_in_training(task_folder: Path, lengths: set[int], train: Path) -> dict[int, int]:
+    """Per evaluated length, how many of its evaluation questions (eval_<length>.jsonl beside task.json) occur in
+    the training file: a set's own held-out claim is about its own training file, not the one the models saw."""
+    seen = set(prompts(train))
+    counts = {}
+    for n in sorted(lengths):
+        path = task_folder / f"eval_{n}.jsonl"
+        if not path.is_file():
+            raise ValueError(f"{path}: no such file (the evaluation questions of length {n}, beside task.json)")
+        counts[n] = sum(prompt in seen for prompt in prompts(path))
+    return counts
+
+
+def prompts(path: Path) -> list[str]:
+    """The "prompt" of each record of a jsonl file of tools/make_depth_task.py (a bad line: ValueError)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not all(isinstance(row, dict) and "prompt" in row for row in rows):
+        raise ValueError(f"{path}: a record without a 'prompt' field (tools/make_depth_task.py writes one per record)")
+    return [row["prompt"] for row in rows]
+
+
+def summarize(
+    report: dict[str, Any], long: range, task: dict[str, Any], in_training: dict[int, int], train_file: str
+) -> dict[str, Any]:
     lengths = task_lengths(report)
     groups = length_groups(lengths, long, task)
     per_question = int(task["eval_examples"])
@@ -114,10 +148,12 @@ def summarize(report: dict[str, Any], long: range, task: dict[str, Any]) -> dict
         kinds.setdefault(run_kind(run), []).append(run)
     out: dict[str, Any] = {
         "recurrences": report["recurrences"],
-        "long_lengths": [long[0], long[-1]],
+        "long_lengths": [min(groups["long"]), max(groups["long"])],
         "groups": {group: sorted(members) for group, members in groups.items()},
-        "held_out_lengths": task.get("held_out_lengths"),
-        "not_held_out_lengths": task.get("not_held_out_lengths"),
+        "train_file": train_file,
+        "in_training": {str(n): count for n, count in in_training.items()},
+        "held_out_lengths": [n for n, count in in_training.items() if count == 0],
+        "not_held_out_lengths": [n for n, count in in_training.items() if count],
         "questions_per_length": per_question,
         "chance": 1 / int(task.get("states") or task.get("modulus") or 1),
         "arms": {},
@@ -200,8 +236,28 @@ GROUP_TITLES = {
 }
 
 
-def span(lengths: list[int]) -> str:
-    return f"{lengths[0]}-{lengths[-1]}" if len(lengths) > 1 else str(lengths[0])
+def lengths_phrase(lengths: list[int]) -> str:
+    """'no length', 'length 7' or 'lengths 5-8, 10'."""
+    if not lengths:
+        return "no length"
+    return f"{'length' if len(lengths) == 1 else 'lengths'} {format_lengths(lengths)}"
+
+
+def held_out_line(summary: dict[str, Any]) -> str:
+    """Which lengths' evaluation questions the training file holds none of, and how many it holds of the others."""
+    per_question = summary["questions_per_length"]
+    by_count: dict[int, list[int]] = {}
+    for n, count in summary["in_training"].items():
+        by_count.setdefault(count, []).append(int(n))
+    line = (
+        f"Evaluation questions checked against the training file {summary['train_file']}: held out (none in it) "
+        f"at {lengths_phrase(by_count.pop(0, []))}"
+    )
+    if by_count:
+        line += "; in it: " + "; ".join(
+            f"{count} of {per_question} at {lengths_phrase(ns)}" for count, ns in sorted(by_count.items(), reverse=True)
+        )
+    return line + "."
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -211,18 +267,13 @@ def markdown(summary: dict[str, Any]) -> str:
         "",
         f"Accuracy cells: mean over seeds [95% Wilson interval of the pooled questions, {summary['questions_per_length']}"
         " per length per seed]; static arms do not loop, so their one value stands under r=1.",
-        f"Evaluation questions held out of training at lengths {span(summary['held_out_lengths'] or [0])}"
-        + (
-            f"; lengths {span(summary['not_held_out_lengths'])} have too few questions to hold out."
-            if summary.get("not_held_out_lengths")
-            else "."
-        ),
+        held_out_line(summary),
         "",
     ]
     for key in ("long", "extrapolation", "short", "loss"):
         members = summary["groups"].get(key)
         if key == "loss" or members:
-            title = GROUP_TITLES[key].format(lengths=span(members) if members else "")
+            title = GROUP_TITLES[key].format(lengths=format_lengths(members) if members else "")
             lines += [f"## {title}", "", *group_table(summary, key), ""]
     if rec:
         lines += per_length_table(summary, rec) + training_table(summary) + flops_table(summary)
@@ -336,9 +387,9 @@ def plot_vs_r(summary: dict[str, Any], path: Path) -> None:
     rec = summary["arms"].get("recurrent")
     if rec:
         final = rec["points"][-1]["results"]
-        groups = [("long", f"{span(summary['groups']['long'])}")]
+        groups = [("long", format_lengths(summary["groups"]["long"]))]
         if summary["groups"].get("extrapolation"):
-            groups.append(("extrapolation", f"{span(summary['groups']['extrapolation'])}, beyond training"))
+            groups.append(("extrapolation", f"{format_lengths(summary['groups']['extrapolation'])}, beyond training"))
         for group, lengths in groups:
             cells = [final[str(r)][group] for r in rs]
             ax.plot(
@@ -410,12 +461,23 @@ def main(argv: list[str] | None = None) -> int:
         default=parse_lengths("7-12"),
         help="the long chain lengths, longer than the source's training (default 7-12)",
     )
+    p.add_argument(
+        "--train",
+        type=Path,
+        default=None,
+        help="the training file the models saw, to count the evaluation questions in it (default: train.jsonl "
+        "beside task.json)",
+    )
     ns = p.parse_args(argv)
-    for path in (ns.report, ns.task):
+    train = ns.train or ns.task.parent / "train.jsonl"
+    for path in (ns.report, ns.task, train):
         if not path.is_file():
             p.error(f"{path}: no such file")
     try:
-        summary = summarize(json.loads(ns.report.read_text()), ns.long, json.loads(ns.task.read_text()))
+        report = json.loads(ns.report.read_text())
+        lengths = set(task_lengths(report).values())
+        in_training = questions_in_training(ns.task.parent, lengths, train)
+        summary = summarize(report, ns.long, json.loads(ns.task.read_text()), in_training, str(train))
     except ValueError as err:
         p.error(str(err))
     ns.out.mkdir(parents=True, exist_ok=True)

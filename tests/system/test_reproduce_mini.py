@@ -257,6 +257,80 @@ def test_flops_to_reach_names_the_smallest_r() -> None:
     assert reach["0.5"]["static"]["step"] == 680 and reach["0.8"]["static"] is None
 
 
+def fake_report(lengths: range, recurrences: tuple[int, ...] = (1, 4)) -> dict:
+    """A compare.json of one recurrent and one static run, one point each, 0.9 exact match on every length."""
+
+    def point(rs: tuple[int, ...]) -> dict:
+        tasks = {f"perm_{n}": {"exact_match,flexible-extract": 0.9} for n in lengths}
+        results = {str(r): {"tasks": tasks, "loss": 0.3} for r in rs}
+        return {"step": 8, "flops": {"paper": 1e12, "full": 1.1e12}, "results": results}
+
+    runs = [
+        {"label": "recurrent_s0", "recurrent": True, "train_mean_recurrence": 4, "points": [point(recurrences)]},
+        {"label": "static_x1_s0", "recurrent": False, "train_mean_recurrence": 1, "points": [point(recurrences[:1])]},
+    ]
+    return {"recurrences": list(recurrences), "runs": runs}
+
+
+def summarize_fake(depth_task, tmp_path: Path, task_argv: list[str], lengths: range, *argv: str) -> Path:
+    """make_depth_task with ``task_argv`` into tmp_path/task, a fake report of ``lengths``, summarize_mini with
+    ``argv`` into tmp_path/summary (returned)."""
+    task, report = tmp_path / "task", tmp_path / "compare.json"
+    assert depth_task.main(["--out", str(task), "--train-examples", "50", "--eval-examples", "3", *task_argv]) == 0
+    report.write_text(json.dumps(fake_report(lengths)))
+    out = tmp_path / "summary"
+    load_tool("summarize_mini").main([str(report), "--task", str(task / "task.json"), "--out", str(out), *argv])
+    return out
+
+
+def test_long_lengths_beyond_training_are_one_line(depth_task, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--long 13-16 on a set whose 13-16 are its extrapolation lengths (reported on their own): one line, exit 2,
+    nothing written. It labelled 7-12 'short chains' and crashed while plotting (IndexError)."""
+    with pytest.raises(SystemExit) as exit_info:
+        summarize_fake(depth_task, tmp_path, ["--eval-lengths", "7-12"], range(7, 17), "--long", "13-16")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "--long 13-16" in err, err
+    assert not (tmp_path / "summary").exists()
+
+
+def test_only_lengths_below_the_long_ones_are_short(depth_task, tmp_path: Path) -> None:
+    """--long 8-10 of 7-12: 7 is short; 11-12, longer, are no 'short chains' (they were labelled so)."""
+    out = summarize_fake(depth_task, tmp_path, ["--eval-lengths", "7-12"], range(7, 17), "--long", "8-10")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["groups"] == {"long": [8, 9, 10], "extrapolation": [13, 14, 15, 16], "short": [7]}
+    text = (out / "summary.md").read_text()
+    assert "Accuracy on the short chains (7 operators)" in text and "(8-10 operators)" in text
+    assert (out / "long_vs_r.png").is_file() and (out / "long_vs_flops.png").is_file()
+
+
+def test_held_out_lengths_are_counted_in_the_training_file(depth_task, tmp_path: Path) -> None:
+    """Another question set (seed 1, lengths 5-8; held out of its own training file, says its task.json)
+    summarized against the training file the models saw (--train, seed 0): per length, the summary counts the
+    evaluation questions that occur in it (the oracle: the prompts of both files compared here), and calls
+    held out only the lengths with none. Without --train it is the set's own train.jsonl."""
+    seen = tmp_path / "seen"
+    argv = ["--train-lengths", "5-8", "--train-examples", "20000", "--extrapolation-lengths", "none"]
+    assert depth_task.main(["--out", str(seen), *argv]) == 0
+    task_argv = ["--eval-lengths", "5-8", "--extrapolation-lengths", "none", "--seed", "1"]
+    train = seen / "train.jsonl"
+    out = summarize_fake(depth_task, tmp_path, task_argv, range(5, 9), "--train", str(train))
+    prompts = {row["prompt"] for row in read_jsonl(train)}
+    expected = {
+        str(n): sum(row["prompt"] in prompts for row in read_jsonl(tmp_path / "task" / f"eval_{n}.jsonl"))
+        for n in range(5, 9)
+    }
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["in_training"] == expected and summary["train_file"] == str(train)
+    assert expected["5"] == 3 and summary["held_out_lengths"] == [int(n) for n, c in expected.items() if c == 0]
+    assert json.loads((tmp_path / "task" / "task.json").read_text())["held_out_lengths"] == [5, 6, 7, 8]
+    text = (out / "summary.md").read_text()
+    assert f"training file {train}: " in text and "; in it: 3 of 3 at length" in text, text
+
+    own = summarize_fake(depth_task, tmp_path / "own", task_argv, range(5, 9))
+    summary = json.loads((own / "summary.json").read_text())
+    assert summary["held_out_lengths"] == [5, 6, 7, 8] and set(summary["in_training"].values()) == {0}
+
+
 @pytest.mark.parametrize(
     "doc, task", [("README.md", "perm"), ("docs/results.md", "perm"), ("docs/results.md", "arith")]
 )
