@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -346,6 +348,30 @@ def test_quoted_result_tables_equal_the_shipped_summary(doc: str, task: str) -> 
     held_out_from = {"perm": 5, "arith": 2}[task]
     assert summary["groups"]["extrapolation"] == [13, 14, 15, 16]
     assert summary["held_out_lengths"] == list(range(held_out_from, 17))
+
+
+@pytest.mark.slow
+def test_the_quoted_source_accuracy_is_the_source_evaluated(tmp_path: Path) -> None:
+    """The exact match of assets/perm_llama at lengths 7-12 that docs/results.md and assets/README.md quote is
+    what the commands docs/results.md names give: the task stage's questions, the source converted as it is,
+    the harness at r = 1 (the figures quoted before came from no recorded run)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    task, source, out = tmp_path / "task", tmp_path / "source", tmp_path / "source_eval"
+    commands = [
+        ["tools/make_depth_task.py", "--out", str(task), "--train-lengths", "1-12", "--eval-lengths", "1-12"]
+        + ["--extrapolation-lengths", "13-16", "--eval-examples", "100", "--seed", "0"],
+        ["tools/convert_hf.py", "assets/perm_llama", str(source), "--static"],
+        ["-m", "titan_recur.eval", "harness", "--model-args", f"pretrained={source},batch_size=100,max_gen_toks=2"]
+        + ["--tasks", str(task / "perm.yaml"), "--recurrences", "1", "--out", str(out)],
+    ]
+    for argv in commands:
+        subprocess.run([sys.executable, *argv], cwd=REPO, env=env, check=True, capture_output=True)
+    rows = json.loads((out / "table.json").read_text())
+    scores = {r["task"]: r["1"] for r in rows if r["metric"] == "exact_match,flexible-extract"}
+    assert [scores[f"perm_{n}"] for n in range(1, 7)] == [1.0] * 6
+    quoted = " / ".join(f"{scores[f'perm_{n}']:.2f}" for n in range(7, 13)) + " at 7-12"
+    for doc in ("docs/results.md", "assets/README.md"):
+        assert quoted in (REPO / doc).read_text(), (doc, quoted)
 
 
 @pytest.mark.parametrize(
