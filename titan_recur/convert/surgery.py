@@ -53,6 +53,13 @@ FETCH_RECORD = "fetch.json"
 # file under original/, next to the multi-GB original/consolidated.00.pth, which is not fetched).
 HUB_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "original/tokenizer.model"]
 _HUB_ID = re.compile(r"\w[\w.-]*/\w[\w.-]*")
+# transformers' max_position_embeddings of a Llama config that leaves it out.
+DEFAULT_POSITIONS = 2048
+# What each rope scaling titan_recur computes reads beside its type (models/rope.py).
+ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 _BLOCK_NAME = re.compile(r"(prelude|core\.blocks|coda)\.(\d+)\.(.+)")
 
 
@@ -123,7 +130,7 @@ class SourceModel:
     def max_seq_len(self) -> int:
         """The longest sequence the converted model computes as the source does: its positions, capped
         at its sliding attention window (longer runs are then refused by train, eval and generate)."""
-        positions = int(self.config.get("max_position_embeddings", 2048))
+        positions = int(self.config.get("max_position_embeddings", DEFAULT_POSITIONS))
         window = attention_window(self.config)
         return positions if window is None else min(positions, window)
 
@@ -270,16 +277,45 @@ def attention_window(config: dict[str, Any]) -> int | None:
     return int(window) if window is not None and config.get("use_sliding_window", True) else None
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def standard_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A rope scaling as transformers 5 writes it: its type under rope_type, None for plain RoPE. Legacy configs
+    name it `type`, which transformers reads only where rope_type is absent: {rope_type: default, type: linear}
+    is plain RoPE to it."""
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if scaling is None or rope_type == "default":
+        return None
+    return {"rope_type": rope_type, **{k: v for k, v in scaling.items() if k not in ("type", "rope_type")}}
+
+
 def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """theta and scaling from top-level keys (real Llama-3 configs) or rope_parameters (transformers 5)."""
-    params: dict[str, Any] = dict(config.get("rope_parameters") or {})
-    theta = float(config.get("rope_theta", params.pop("rope_theta", 10000.0)))
-    params.pop("rope_theta", None)
-    scaling = dict(config.get("rope_scaling") or params)
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    """theta and scaling as transformers reads them: top-level rope_theta and rope_scaling (hub configs, the
+    legacy `type` key included) or rope_parameters (transformers 5)."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or params
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise ConversionError("config.json: rope_scaling and rope_parameters must be JSON objects")
+    theta: Any = config.get("rope_theta", params.get("rope_theta", 10000.0))
+    if not _is_number(theta) or theta <= 0:
+        raise ConversionError(f"config.json: rope_theta must be a number > 0, got {theta!r}")
+    scaling = standard_rope_scaling({k: v for k, v in scaling.items() if k != "rope_theta"})
+    if scaling is None:
+        return float(theta), None
+    rope_type = scaling["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConversionError(f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    return theta, (None if rope_type == "default" else scaling)
+    if rope_type == "llama3":  # transformers: a top-level value wins, else the scaling's, else the positions
+        original = scaling.get(
+            "original_max_position_embeddings", config.get("max_position_embeddings", DEFAULT_POSITIONS)
+        )
+        scaling["original_max_position_embeddings"] = config.get("original_max_position_embeddings", original)
+    missing = [key for key in ROPE_SCALING_KEYS[rope_type] if not _is_number(scaling.get(key))]
+    if missing:
+        raise ConversionError(f"config.json: rope scaling {rope_type!r} needs a number for {', '.join(missing)}")
+    return float(theta), scaling
 
 
 def _first(token_id: int | list[int] | None) -> int | None:

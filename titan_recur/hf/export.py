@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import torch
 
-from titan_recur.convert.surgery import LayerPlan, source_tensor_names
+from titan_recur.convert.surgery import LayerPlan, source_tensor_names, standard_rope_scaling
 from titan_recur.data.tokenizer import load_tokenizer
 from titan_recur.inference.exit_criteria import describe_criteria
 from titan_recur.models.args import DEFAULT_BACKPROP_DEPTH, STATE_INITS, ModelArgs
@@ -204,7 +204,10 @@ def static_hf_config(args: ModelArgs, dtype: str) -> dict[str, Any]:
         head_dim=args.head_dim,
         max_position_embeddings=args.max_seq_len,
         rms_norm_eps=args.norm_eps,
-        rope_parameters={"rope_type": "default", **(args.rope_scaling or {}), "rope_theta": args.rope_theta},
+        rope_parameters={
+            **(standard_rope_scaling(args.rope_scaling) or {"rope_type": "default"}),
+            "rope_theta": args.rope_theta,
+        },
         tie_word_embeddings=args.tie_embeddings,
         attention_bias=args.attention_bias,
         mlp_bias=args.mlp_bias,
