@@ -18,7 +18,6 @@ from titan_recur.convert.surgery import (
     ConversionError,
     ConvertOptions,
     SourceModel,
-    attention_window,
     convert,
     format_layers,
     format_summary,
@@ -258,16 +257,13 @@ def test_dropped_layers_reproduce_the_truncated_source(tiny_hf_checkpoint, tmp_p
 def test_a_sliding_window_caps_max_seq_len(tiny_hf_checkpoint, tmp_path):
     """titan_recur attends over the whole sequence: equal to Mistral's sliding-window attention only up to the
     window, so the converted model's max_seq_len is the window, longer runs are refused in one line, and the
-    conversion's summary says why. A Qwen config's window counts only when use_sliding_window is on."""
+    conversion's summary says why. Which configs slide a layer: tests/convert/test_source_config.py."""
     source = tiny_hf_checkpoint("mistral")
     args = convert(source, tmp_path / "out", plan_layers(6, (2, 2, 2)), EXACT)
     assert args.max_seq_len == 128 == read_model_args(tmp_path / "out").max_seq_len
     assert "max_seq_len   128: the source's sliding attention window" in format_summary(read_source(source), args)
     with pytest.raises(ValueError, match=r"exceeds the model's max_seq_len \(128\)"):
         check_prompts(torch.ones(1, 100), 29, args.max_seq_len)
-    assert attention_window({"sliding_window": 64, "use_sliding_window": False}) is None
-    assert attention_window({"sliding_window": 64, "use_sliding_window": True}) == 64
-    assert attention_window({"sliding_window": None}) is None
 
 
 def test_non_contiguous_reordered_selection(tiny_hf_checkpoint, tmp_path):

@@ -25,7 +25,14 @@ from safetensors import safe_open
 from torch import nn
 
 from titan_recur.models.args import ModelArgs
-from titan_recur.models.families import Family, UnsupportedFamily, family_of_architecture, family_of_hf_config
+from titan_recur.models.families import (
+    DEFAULT_MAX_WINDOW_LAYERS,
+    DEFAULT_SLIDING_WINDOW,
+    Family,
+    UnsupportedFamily,
+    family_of_architecture,
+    family_of_hf_config,
+)
 from titan_recur.models.model import RecurrentLM, init_identity_adapter
 from titan_recur.models.rope import SUPPORTED_ROPE_TYPES
 from titan_recur.storage.model_io import (
@@ -53,6 +60,8 @@ FETCH_RECORD = "fetch.json"
 # file under original/, next to the multi-GB original/consolidated.00.pth, which is not fetched).
 HUB_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "original/tokenizer.model"]
 _HUB_ID = re.compile(r"\w[\w.-]*/\w[\w.-]*")
+# The attention of a Qwen layer (its config's layer_types).
+LAYER_TYPES = {"full_attention", "sliding_attention"}
 # transformers' max_position_embeddings of a Llama config that leaves it out.
 DEFAULT_POSITIONS = 2048
 # What each rope scaling titan_recur computes reads beside its type (models/rope.py).
@@ -127,12 +136,15 @@ class SourceModel:
         return family_of_architecture(self.architecture)
 
     @property
+    def window(self) -> int | None:
+        return attention_window(self.config, self.family)
+
+    @property
     def max_seq_len(self) -> int:
         """The longest sequence the converted model computes as the source does: its positions, capped
         at its sliding attention window (longer runs are then refused by train, eval and generate)."""
         positions = int(self.config.get("max_position_embeddings", DEFAULT_POSITIONS))
-        window = attention_window(self.config)
-        return positions if window is None else min(positions, window)
+        return positions if self.window is None else min(positions, self.window)
 
     @property
     def tied(self) -> bool:
@@ -269,12 +281,40 @@ def read_source(folder: str | Path) -> SourceModel:
     return SourceModel(folder, config, architecture)
 
 
-def attention_window(config: dict[str, Any]) -> int | None:
-    """The sliding attention window a source config turns on (Mistral's sliding_window; Qwen's when
-    use_sliding_window is true), or None. titan_recur attends over the whole sequence, which equals the
-    source's attention only for sequences no longer than the window."""
-    window = config.get("sliding_window")
-    return int(window) if window is not None and config.get("use_sliding_window", True) else None
+def _is_int(value: Any, minimum: int = 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def attention_window(config: dict[str, Any], family: Family) -> int | None:
+    """The sliding attention window transformers runs some layer of a source config with (Family.sliding_window),
+    or None where no layer slides. titan_recur attends over the whole sequence, which equals the source's
+    attention only for sequences no longer than the window."""
+    if family.sliding_window == "none":
+        return None
+    if family.sliding_window == "layer_types" and not config.get("use_sliding_window", False):
+        return None
+    window = config.get("sliding_window", DEFAULT_SLIDING_WINDOW)
+    if window is not None and not _is_int(window):
+        raise ConversionError(f"config.json: sliding_window must be an integer >= 1 or null, got {window!r}")
+    if family.sliding_window == "layer_types" and not _has_sliding_layer(config):
+        return None
+    return window
+
+
+def _has_sliding_layer(config: dict[str, Any]) -> bool:
+    """Whether a Qwen config marks a layer sliding: its layer_types, else the layers from max_window_layers on."""
+    n_layers = config["num_hidden_layers"]
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        first = config.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS)
+        if not _is_int(first, minimum=0):
+            raise ConversionError(f"config.json: max_window_layers must be an integer >= 0, got {first!r}")
+        return first < n_layers
+    if not (isinstance(layer_types, list) and len(layer_types) == n_layers and set(layer_types) <= LAYER_TYPES):
+        raise ConversionError(
+            f"config.json: layer_types must name {' or '.join(sorted(LAYER_TYPES))} for each of the {n_layers} layers"
+        )
+    return "sliding_attention" in layer_types
 
 
 def _is_number(value: Any) -> bool:
@@ -593,7 +633,7 @@ def format_summary(source: SourceModel, args: ModelArgs, source_name: str | None
         f"{'tied' if source.tied else 'untied'} embeddings, rope theta {args.rope_theta:g}"
         + (f" + {scaling.get('rope_type', scaling.get('type'))} scaling" if scaling else ""),
     ]
-    window = attention_window(source.config)
+    window = source.window
     if window is not None and window == args.max_seq_len:
         lines.append(
             f"max_seq_len   {window}: the source's sliding attention window (titan_recur attends over the whole "

@@ -10,6 +10,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 QKNorm = Literal["none", "full", "per_head"]
+# Which layers of a family's transformers model attend over a sliding window: none; every layer when the config
+# sets sliding_window (Mistral); or, with use_sliding_window, those layer_types marks "sliding_attention", by
+# default the layers from max_window_layers on (Qwen2, Qwen3).
+SlidingWindow = Literal["none", "every_layer", "layer_types"]
+# transformers' defaults where a config leaves these out (MistralConfig, Qwen2Config, Qwen3Config).
+DEFAULT_SLIDING_WINDOW = 4096
+DEFAULT_MAX_WINDOW_LAYERS = 28
 
 
 @dataclass(frozen=True)
@@ -20,7 +27,8 @@ class Family:
     outputs. qk_norm: RMSNorm of the projected q and k, over the whole projection ("full", OLMo-2) or
     per head before RoPE ("per_head", Qwen3). qkv_bias: q, k and v always carry biases (Qwen2), whatever
     the config's attention_bias says (which, where a config has it, biases all four projections).
-    default_norm_eps: transformers' rms_norm_eps when a config leaves it out.
+    default_norm_eps: transformers' rms_norm_eps when a config leaves it out. sliding_window: how the config
+    turns a sliding attention window on (SlidingWindow).
     """
 
     name: str
@@ -31,6 +39,7 @@ class Family:
     qk_norm: QKNorm = "none"
     qkv_bias: bool = False
     default_norm_eps: float = 1e-6
+    sliding_window: SlidingWindow = "none"
     covers: str = ""
 
 
@@ -54,9 +63,32 @@ FAMILIES: dict[str, Family] = {
             default_norm_eps=1e-5,
             covers="OLMo-2",
         ),
-        Family("qwen2", "Qwen2ForCausalLM", ("qwen2",), "Qwen2Config", qkv_bias=True, covers="Qwen2, Qwen2.5"),
-        Family("qwen3", "Qwen3ForCausalLM", ("qwen3",), "Qwen3Config", qk_norm="per_head", covers="Qwen3 (dense)"),
-        Family("mistral", "MistralForCausalLM", ("mistral",), "MistralConfig", covers="Mistral 7B, Ministral"),
+        Family(
+            "qwen2",
+            "Qwen2ForCausalLM",
+            ("qwen2",),
+            "Qwen2Config",
+            qkv_bias=True,
+            sliding_window="layer_types",
+            covers="Qwen2, Qwen2.5",
+        ),
+        Family(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            ("qwen3",),
+            "Qwen3Config",
+            qk_norm="per_head",
+            sliding_window="layer_types",
+            covers="Qwen3 (dense)",
+        ),
+        Family(
+            "mistral",
+            "MistralForCausalLM",
+            ("mistral",),
+            "MistralConfig",
+            sliding_window="every_layer",
+            covers="Mistral 7B, Ministral",
+        ),
     )
 }
 BLOCK_TYPES = tuple(FAMILIES)
