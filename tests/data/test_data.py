@@ -250,6 +250,40 @@ def test_prepare_data_matches_the_packed_stream(tmp_path, tok, tok_folder):
     assert full_rows(take(loader(cfg, tok), 5)).tolist() == rows[:10]
 
 
+@pytest.mark.parametrize("layout", [["--seq-len", str(SEQ_LEN)], ["--chunk-tokens", "37"]], ids=["v1", "v2"])
+def test_an_interrupted_prepare_data_is_refused_and_redone(tmp_path, tok, tok_folder, monkeypatch, layout):
+    """prepare_data killed after its first shard (a KeyboardInterrupt there): its shards look complete, and v1
+    has no metadata to miss, so training took them for the whole dataset ('epoch done, looping', rc 0). The
+    data check (train's, at start-up) refuses the folder in one line, and the same command redoes it."""
+    from titan_recur.cli import prepare_data as cli
+
+    source = write_jsonl(tmp_path / "a.jsonl", make_docs("doc", 120))
+    args = ["--tokenizer", str(tok_folder), "--path", source, "--workers", "1", "--rows-per-shard", "20", *layout]
+    out, whole = tmp_path / "pre", tmp_path / "whole"
+    write_shard = cli._write_shard
+
+    def killed_after_one_shard(*shard_args) -> None:
+        write_shard(*shard_args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_write_shard", killed_after_one_shard)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data.main([*args, "--out", str(out)])
+    monkeypatch.undo()
+    assert [p.name for p in out.glob("*.parquet")] == ["part-00000.parquet"]
+    cfg = Data(sources=[DataSource(name="pre", path=str(out / "*.parquet"), kind="tokenized")])
+    message = one_line_error(ValueError, check_data_config, cfg, tok, SEQ_LEN)
+    assert f"'pre': {out} is an unfinished tools/prepare_data.py output" in message, message
+
+    assert prepare_data.main([*args, "--out", str(out)]) == 0  # the same command, no --force
+    assert prepare_data.main([*args, "--out", str(whole)]) == 0
+    check_data_config(cfg, tok, SEQ_LEN)
+    names = sorted(p.name for p in whole.iterdir())
+    assert sorted(p.name for p in out.iterdir()) == names and len(names) > 2
+    for name in names:
+        assert (out / name).read_bytes() == (whole / name).read_bytes(), name
+
+
 def test_token_stream_v2_gives_the_on_the_fly_rows_at_any_seq_len(tmp_path, tok, tok_folder):
     """prepare_data without --seq-len writes a flat stream + metadata; the loader packs it at any seq_len into
     the rows it packs from the text itself."""

@@ -11,6 +11,9 @@ files with one list<int32> column ``input_ids``:
 - v1 (--seq-len N): rows of exactly N + 1 tokens (a row may span documents; the final partial row
   is dropped), for that seq_len only.
 
+While it writes, OUT holds an UNFINISHED file, removed last: the trainer refuses a folder that holds it (an
+interrupted run: complete-looking shards that are only part of the data), and the same command redoes it.
+
 With --format prompt_completion (records with prompt and completion fields) both formats also get a
 ``labels`` column beside ``input_ids``: the token, or -100 for BOS and the prompt's tokens, so the
 trainer's loss is on the completions only, exactly as when it reads the records themselves.
@@ -56,6 +59,7 @@ from titan_recur.data.loader import (
     TOKENS_COLUMN,
     TOKENS_FORMAT_V2,
     TOKENS_METADATA,
+    TOKENS_UNFINISHED,
     check_text,
     encode_labelled,
     is_empty,
@@ -169,16 +173,24 @@ class _Progress:
 
 
 def is_prepared_folder(folder: Path) -> bool:
-    """A folder this tool wrote: only part-NNNNN.parquet shards and (v2) its metadata.json."""
+    """A folder this tool wrote: only part-NNNNN.parquet shards, (v2) its metadata.json and, unfinished, its
+    UNFINISHED marker."""
     names = [p.name for p in folder.iterdir()]
-    return bool(names) and all(re.fullmatch(r"part-\d{5}\.parquet", n) or n == TOKENS_METADATA for n in names)
+    own = (TOKENS_METADATA, TOKENS_UNFINISHED)
+    return bool(names) and all(re.fullmatch(r"part-\d{5}\.parquet", n) or n in own for n in names)
+
+
+def is_unfinished(out: Path) -> bool:
+    """An output of this tool that was interrupted: redone without --force (nothing in it is worth keeping)."""
+    return out.is_dir() and (out / TOKENS_UNFINISHED).exists() and is_prepared_folder(out)
 
 
 def check_out_folder(out: Path, force: bool) -> None:
-    """--out must be empty (or not exist); with --force it may hold an earlier output of this tool, nothing else."""
+    """--out must be empty (or not exist) or an unfinished output of this tool; with --force it may hold an
+    earlier output of this tool, nothing else."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder")
-    if not out.is_dir() or not any(out.iterdir()):
+    if not out.is_dir() or not any(out.iterdir()) or is_unfinished(out):
         return
     if not force:
         raise ValueError(f"--out {out} exists and is not empty; pass --force to replace an earlier prepare_data output")
@@ -225,9 +237,13 @@ def prepare(args: argparse.Namespace) -> None:
         f"a shard of {args.rows_per_shard:,} rows x {row_len:,} tokens",
         hint="lower --rows-per-shard or --chunk-tokens",
     )
+    if is_unfinished(out):
+        print(f"{out}: an interrupted prepare_data output; redoing it")
     if out.is_dir():
         clear_own_output(out)
     out.mkdir(parents=True, exist_ok=True)
+    # Removed last: until then the folder is refused by the trainer (its shards are only part of the data).
+    (out / TOKENS_UNFINISHED).write_text("tools/prepare_data.py is writing this folder, or was interrupted\n")
     pending: list[np.ndarray] = []
     n_pending = shards = rows = documents = 0
     progress = _Progress()
@@ -253,6 +269,7 @@ def prepare(args: argparse.Namespace) -> None:
         shards, rows = shards + 1, rows + -(-kept // row_len)
     if stream:
         _write_metadata(out, args.tokenizer, progress.total, documents, row_len)
+    (out / TOKENS_UNFINISHED).unlink()
     seconds = time.perf_counter() - start
     layout = f"chunks of {row_len} tokens (v2 token stream)" if stream else f"rows of {row_len} tokens (v1)"
     print(

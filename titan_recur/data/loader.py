@@ -119,11 +119,22 @@ def _source_files(s: DataSource) -> list[str]:
 # rows of exactly seq_len + 1 tokens.
 TOKENS_METADATA = "metadata.json"
 TOKENS_FORMAT_V2 = "titan_recur.tokens/v2"
+# tools/prepare_data.py writes this file into its output folder before the first shard and removes it last: a
+# folder that holds it was interrupted, and its shards (complete-looking, v1 without metadata) are part of the data.
+TOKENS_UNFINISHED = "UNFINISHED"
 
 
 def token_stream_metadata(s: DataSource) -> dict[str, Any] | None:
-    """The v2 metadata of a pre-tokenized source (next to its first file), or None for v1 rows."""
-    path = Path(_source_files(s)[0]).parent / TOKENS_METADATA
+    """The v2 metadata of a pre-tokenized source (next to its first file), or None for v1 rows. Every opening of a
+    pre-tokenized source passes here, so here a folder prepare_data did not finish is refused."""
+    files = _source_files(s)
+    for folder in sorted({Path(f).parent for f in files}):
+        if (folder / TOKENS_UNFINISHED).exists():
+            raise ValueError(
+                f"data source {s.name or s.path!r}: {folder} is an unfinished tools/prepare_data.py output (it was "
+                "interrupted, and its shards are only part of the data): rerun the same command, which redoes it"
+            )
+    path = Path(files[0]).parent / TOKENS_METADATA
     if not path.is_file():
         return None
     meta = json.loads(path.read_text())
