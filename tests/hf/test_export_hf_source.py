@@ -1,5 +1,5 @@
 """Both exports of a conversion against its source, transformers' own model: every rope-scaling form transformers
-reads."""
+reads, and a sliding attention window shorter than the input."""
 
 from __future__ import annotations
 
@@ -115,3 +115,25 @@ def test_rope_scalings_titan_recur_does_not_compute_are_refused(tiny_hf_checkpoi
     ):
         convert(source, tmp_path / "out", plan_layers(6, (2, 2, 2)), EXACT)
     assert not (tmp_path / "out").exists()
+
+
+def test_exports_of_a_sliding_window_source_never_compute_past_the_window(tiny_hf_checkpoint, tmp_path):
+    """A window-8 Mistral: conversion caps max_seq_len at 8. The static export is a plain MistralForCausalLM that
+    keeps the window, so it equals its source at any length; the recurrent export (titan_recur's full attention)
+    equals it up to the window and refuses a longer input in one line, as titan_recur's own tools do."""
+    source = edited_source(tiny_hf_checkpoint("mistral"), tmp_path / "source", sliding_window=8)
+    ids = torch.randint(3, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    expected = source_logits(source, ids)
+    folders = exports(source, tmp_path)
+    torch.testing.assert_close(export_logits("static", folders["static"], ids), expected, atol=1e-5, rtol=1e-5)
+    recurrent = folders["recurrent"]
+    torch.testing.assert_close(export_logits("recurrent", recurrent, ids[:, :8]), expected[:, :8], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"^24 tokens exceed the model's max_seq_len 8 \(") as refused:
+        export_logits("recurrent", recurrent, ids)
+    assert "\n" not in str(refused.value)
+    # Left padding does not count: a row's real tokens do.
+    model = load(recurrent, dtype=torch.float32).eval()
+    mask = torch.cat([torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        padded = model(torch.cat([ids[:, :4], ids[:, :8]], dim=1), attention_mask=mask, num_steps=1).logits
+    torch.testing.assert_close(padded[:, 4:], expected[:, :8], atol=1e-5, rtol=1e-5)

@@ -217,11 +217,13 @@ def static_hf_config(args: ModelArgs, dtype: str) -> dict[str, Any]:
         architectures=[family.architecture],
         dtype=dtype,
     )
+    if family.sliding_window != "none":
+        # titan_recur's model equals its source up to max_seq_len, which conversion caps at the source's sliding
+        # window: every layer attends over the last max_seq_len tokens, as a window source does past it.
+        values.update(sliding_window=args.max_seq_len, use_sliding_window=True, max_window_layers=0)
     # Only the fields the family's config has (Qwen2 has no attention_bias: its q/k/v always have biases),
     # plus head_dim, which every family's attention reads when given.
     accepted = {*inspect.signature(config_cls.__init__).parameters, "head_dim"}
-    if "sliding_window" in inspect.signature(config_cls.__init__).parameters:
-        values["sliding_window"] = None  # the model attends over the whole sequence, as titan_recur computes it
     return config_cls(**{key: value for key, value in values.items() if key in accepted}).to_dict()
 
 

@@ -228,6 +228,7 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         state_init: default ``config.state_init`` in eval mode, the architecture's training init in train mode.
         The output is always a ModelOutput (``return_dict`` is accepted because transformers passes it).
         token_type_ids (which transformers 4.x tokenizers return) must be all zero: the model has one token type.
+        A row longer than the model's max_seq_len is refused (check_length).
         """
         if output_attentions:
             raise ValueError("output_attentions is not supported: attention runs in scaled_dot_product_attention")
@@ -236,6 +237,8 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
         cache = cache if cache is not None else past_key_values
         depth = self.resolve_depth(num_steps)
         tokens = input_ids if input_ids is not None else inputs_embeds
+        if tokens is not None:
+            check_length(tokens.shape[1] + (cache.length if cache is not None else 0), attention_mask, self.model.args)
         # Sized for this call; it grows as generation goes on. Without tokens the model refuses the call.
         if use_cache and cache is None and tokens is not None:
             cache = self.new_cache(tokens, sum(depth))
@@ -488,6 +491,20 @@ class TitanRecurForCausalLM(PreTrainedModel, GenerationMixin):
             num_steps=num_steps,
             dtype=self.model.embed_tokens.weight.dtype,
             device=tokens.device,
+        )
+
+
+def check_length(columns: int, attention_mask: torch.Tensor | None, args: ModelArgs) -> None:
+    """Refuse a row longer than max_seq_len (its real tokens, cached and new), as titan_recur's train, eval and
+    generate do: conversion caps it at a sliding-window source's window, past which the source attends to fewer
+    tokens than titan_recur's full attention."""
+    if columns <= args.max_seq_len:  # the common case, without reading the mask (a device sync)
+        return
+    length = columns if attention_mask is None else int(attention_mask.sum(-1).max())
+    if length > args.max_seq_len:
+        raise ValueError(
+            f"{length} tokens exceed the model's max_seq_len {args.max_seq_len} (config.max_position_embeddings: "
+            "its source's positions, or its sliding attention window, past which the source attends otherwise)"
         )
 
 
