@@ -253,6 +253,25 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(olmo2_1_2, tmp_path, ca
     assert captured.err.startswith("analyze_layers.py: error: ") and not out.exists()
 
 
+def test_a_full_disk_leaves_nothing_and_the_rerun_writes(olmo2_1_2, tmp_path, capsys):
+    """--out on a full disk: one line, and no result file left (an empty layer_analysis.json made the rerun refuse
+    it without --force); with space, the same command writes all three."""
+    from tests.system.test_safety import fill_disk, tmpfs
+
+    disk = tmp_path / "tmpfs"
+    argv = [str(olmo2_1_2), *CALIBRATION, "--out", str(disk / "out")]
+    with tmpfs(disk):
+        fill_disk(disk / "filler", leave=0)
+        code, err = ANALYZE.main(argv), capsys.readouterr().err
+        left = sorted(p.name for p in (disk / "out").iterdir())
+        (disk / "filler").unlink()
+        again = ANALYZE.main(argv)
+        written = sorted(p.name for p in (disk / "out").iterdir())
+    assert code == 2 and err.count("\n") == 1 and "No space left on device" in err, err
+    assert left == [], left
+    assert again == 0 and written == ["angular_distance.png", "influence.png", "layer_analysis.json"]
+
+
 def test_progress_bars_count_layers(tiny_hf_checkpoint, capsys):
     from titan_recur.convert.layer_analysis import drop_one_losses
 

@@ -33,8 +33,10 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,7 +54,7 @@ from titan_recur.convert.layer_analysis import (
     shapes_for_budget,
 )
 from titan_recur.convert.surgery import ConversionError, parse_shape, read_source, resolve_source
-from titan_recur.storage.model_io import check_output_files
+from titan_recur.storage.model_io import check_output_files, raise_naming, write_files_atomically
 from titan_recur.training.validation import check_recurrences
 from titan_recur.utils.limits import check_allocation, check_recurrence_bound, check_seq_len, forward_bytes
 
@@ -210,10 +212,27 @@ def run(argv: list[str] | None = None) -> None:
         progress=sys.stderr.isatty(),
     )
     report.update(data=data, seq_len=seq_len, batch_size=batch_size, batches=num_batches, dtype=args.dtype)
-    (out / JSON_NAME).write_text(json.dumps(report, indent=2) + "\n")
-    plots = plot_report(report, out)
+    plots = write_results(report, out)
     print(format_report(report, args.top))
     print(f"wrote {out / JSON_NAME}, {plots[0]} and {plots[1]}")
+
+
+def write_results(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    """layer_analysis.json and the two plots, all or none (write_files_atomically): a full disk left an empty
+    layer_analysis.json, which the rerun refused without --force. The plots are drawn in a temporary folder."""
+    plots = (out / INFLUENCE_PLOT, out / ANGULAR_PLOT)
+    with tempfile.TemporaryDirectory(prefix=".plots.", dir=out) as tmp:
+        try:
+            drawn = plot_report(report, Path(tmp))
+        except OSError as err:
+            raise_naming(err, out)
+        write_files_atomically(
+            {
+                out / JSON_NAME: lambda path: path.write_text(json.dumps(report, indent=2) + "\n"),
+                **{plot: drawing.replace for plot, drawing in zip(plots, drawn, strict=True)},  # moved in
+            }
+        )
+    return plots
 
 
 def main(argv: list[str] | None = None) -> int:
