@@ -1,16 +1,28 @@
-"""A source's config.json as conversion reads it: the sliding window transformers runs."""
+"""A source's config.json as conversion reads it: the sliding window transformers runs, and hand-edited or
+foreign values refused in one line by both commands that read a source (tools/convert_hf.py,
+tools/analyze_layers.py)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from tests.torchrun_util import load_tool
 from titan_recur.convert.surgery import SourceModel
 from titan_recur.models.families import FAMILIES
 
+REPO = Path(__file__).resolve().parents[2]
+# tools/analyze_layers.py's calibration: 4 rows of 32 tokens.
+CALIBRATION = ["--data", str(REPO / "assets" / "corpus" / "general.jsonl"), "--seq-len", "32", "--tokens", "128"]
+ANALYZE = load_tool("analyze_layers")
+CONVERT = load_tool("convert_hf")
 # A tiny source's shapes (tests/conftest.py's), 6 layers; its positions (256) are longer than the windows below.
 TINY = dict(
     vocab_size=512,
@@ -74,3 +86,74 @@ def test_max_seq_len_is_capped_where_transformers_slides_a_layer(family, window)
     config = {**TINY, "architectures": [record.architecture], "model_type": family, **window}
     capped = SourceModel(Path("."), config, record.architecture).max_seq_len
     assert capped == (8 if windowed_in_transformers(family, config) else 256)
+
+
+# ---------------------------------------------------------------- bad config values: one line, exit 2, no work
+
+
+def edited_source(source: Path, folder: Path, **changes: Any) -> Path:
+    """A copy of a tiny HF source whose config.json has ``changes`` (a None drops the key)."""
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        config.pop(key, None) if value is None else config.__setitem__(key, value)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def small_embedding_source(source: Path, folder: Path) -> Path:
+    """The source with a 256-row embedding and head (config vocab_size 256) beside its 512-id tokenizer."""
+    edited_source(source, folder, vocab_size=256)
+    weights = load_file(str(folder / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        weights[name] = weights[name][:256].clone()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+BAD_CONFIGS = {
+    "architectures a string": (dict(architectures="LlamaForCausalLM"), "architectures must be a list of names"),
+    "no num_attention_heads": (dict(num_attention_heads=None), "num_attention_heads is missing"),
+    "zero num_attention_heads": (dict(num_attention_heads=0), "num_attention_heads must be an integer >= 1, got 0"),
+    "no num_hidden_layers": (dict(num_hidden_layers=None), "num_hidden_layers is missing"),
+    "string num_hidden_layers": (dict(num_hidden_layers="6"), "num_hidden_layers must be an integer >= 1, got '6'"),
+    "huge num_hidden_layers": (dict(num_hidden_layers=10**12), "num_hidden_layers 1,000,000,000,000 is more than"),
+    "zero sliding_window": (dict(sliding_window=0), "sliding_window must be an integer >= 1 or null, got 0"),
+    "negative sliding_window": (dict(sliding_window=-8), "sliding_window must be an integer >= 1 or null, got -8"),
+    "tokenizer past the embedding": (
+        None,
+        "the tokenizer produces ids up to 511 but the model's vocab_size is 256",
+    ),
+}
+
+
+def run_convert(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
+    """tools/convert_hf.py in this process, as its console script runs it: its exit code."""
+    monkeypatch.setattr(sys, "argv", ["convert_hf.py", *argv])
+    try:
+        CONVERT.main()
+    except SystemExit as exit:
+        return int(exit.code or 0)
+    return 0
+
+
+@pytest.mark.parametrize("command", ["convert", "analyze"])
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_config_values_are_one_line_exit_2_before_any_work(
+    tiny_hf_checkpoint, tmp_path, capsys, monkeypatch, command, case
+):
+    changes, message = BAD_CONFIGS[case]
+    family = "mistral" if "sliding_window" in case else "llama"
+    if changes is None:
+        source = small_embedding_source(tiny_hf_checkpoint(family), tmp_path / "source")
+    else:
+        source = edited_source(tiny_hf_checkpoint(family), tmp_path / "source", **changes)
+    capsys.readouterr()  # building the source reports progress
+    out = tmp_path / "out"
+    if command == "convert":
+        code = run_convert([str(source), str(out), "--shape", "2,2,2"], monkeypatch)
+    else:
+        code = ANALYZE.main([str(source), *CALIBRATION, "--recommend", "2,2,2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not out.exists()

@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.families import (
     DEFAULT_MAX_WINDOW_LAYERS,
@@ -60,6 +61,12 @@ FETCH_RECORD = "fetch.json"
 # file under original/, next to the multi-GB original/consolidated.00.pth, which is not fetched).
 HUB_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "original/tokenizer.model"]
 _HUB_ID = re.compile(r"\w[\w.-]*/\w[\w.-]*")
+# The integer fields of a source config that conversion reads: required, then optional (null: derived).
+_REQUIRED_COUNTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_OPTIONAL_COUNTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+# Far more layers than any checkpoint holds (Llama 3.1 405B has 126): a hand-edit or a foreign value, refused
+# before per-layer lists are built.
+MAX_SOURCE_LAYERS = 10_000
 # The attention of a Qwen layer (its config's layer_types).
 LAYER_TYPES = {"full_attention", "sliding_attention"}
 # transformers' max_position_embeddings of a Llama config that leaves it out.
@@ -261,28 +268,68 @@ def resolve_source(source: str, revision: str | None = None) -> Path:
 
 
 def read_source(folder: str | Path) -> SourceModel:
-    """Read and check the source config: a supported architecture with SiLU MLPs."""
+    """Read and check the source config (check_source_config)."""
     folder = Path(folder)
     config_path = folder / CONFIG_NAME
     if not config_path.is_file():
         raise ConversionError(f"{config_path}: no such file (is {folder} an HF model folder?)")
+    config = read_config(config_path)
+    return SourceModel(folder, config, check_source_config(config))
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A config.json's object, or one line saying why it is none."""
     try:
-        config = json.loads(config_path.read_text())
+        config = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConversionError(f"{config_path}: not valid JSON ({err})") from None
+        raise ConversionError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(config, dict):
-        raise ConversionError(f"{config_path}: not an HF config (a JSON object)")
+        raise ConversionError(f"{path}: not an HF config (a JSON object)")
+    return config
+
+
+def check_source_config(config: dict[str, Any]) -> str:
+    """The architecture of a source config, after checking every value conversion reads, so that a hand-edited
+    or foreign config is one line before any work: a supported family with SiLU MLPs, positive integer shapes,
+    a layer count a checkpoint can hold, the rope scaling and the sliding window."""
+    architectures = config.get("architectures")
+    if architectures is not None and not (
+        isinstance(architectures, list) and all(isinstance(name, str) for name in architectures)
+    ):
+        raise ConversionError(
+            f'config.json: architectures must be a list of names like ["LlamaForCausalLM"], got {architectures!r}'
+        )
     try:
-        architecture = family_of_hf_config(config).architecture
+        family = family_of_hf_config(config)
     except UnsupportedFamily as err:
         raise ConversionError(str(err)) from None
     if config.get("hidden_act", "silu") != "silu":
-        raise ConversionError(f"unsupported hidden_act {config['hidden_act']!r} in {architecture}; only silu (SwiGLU)")
-    return SourceModel(folder, config, architecture)
+        raise ConversionError(
+            f"unsupported hidden_act {config['hidden_act']!r} in {family.architecture}; only silu (SwiGLU)"
+        )
+    for key in _REQUIRED_COUNTS:
+        if key not in config:
+            raise ConversionError(f"config.json: {key} is missing")
+    for key in _REQUIRED_COUNTS + _OPTIONAL_COUNTS:
+        value = config.get(key)
+        if not _is_int(value) and not (value is None and key in _OPTIONAL_COUNTS):
+            raise ConversionError(f"config.json: {key} must be an integer >= 1, got {value!r}")
+    if config["num_hidden_layers"] > MAX_SOURCE_LAYERS:
+        raise ConversionError(
+            f"config.json: num_hidden_layers {config['num_hidden_layers']:,} is more than a checkpoint holds "
+            f"(at most {MAX_SOURCE_LAYERS:,})"
+        )
+    _rope(config)
+    attention_window(config, family)
+    return family.architecture
 
 
 def _is_int(value: Any, minimum: int = 1) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def attention_window(config: dict[str, Any], family: Family) -> int | None:
@@ -315,10 +362,6 @@ def _has_sliding_layer(config: dict[str, Any]) -> bool:
             f"config.json: layer_types must name {' or '.join(sorted(LAYER_TYPES))} for each of the {n_layers} layers"
         )
     return "sliding_attention" in layer_types
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def standard_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -534,6 +577,7 @@ def convert(
     output = Path(output_dir)
     source = read_source(source_dir)
     check_output(output, force, source.folder)
+    check_tokenizer(source)
     args, weights, names = _checked_conversion(source, plan, options)
     if dry_run:
         return args
@@ -564,6 +608,16 @@ def converted_state_dict(
     """
     args, weights, names = _checked_conversion(source, plan, options, weights)
     return args, _converted_state(weights, names, args, options)
+
+
+def check_tokenizer(source: SourceModel) -> None:
+    """The tokenizer a source ships produces no id past its embedding's rows (a larger, padded embedding is fine)."""
+    try:
+        check_vocab(load_tokenizer(source.folder), source.config["vocab_size"])
+    except FileNotFoundError:  # no tokenizer files: none is copied either
+        return
+    except ValueError as err:  # ids past the embedding, or files that do not load
+        raise ConversionError(str(err)) from None
 
 
 def _checked_conversion(
