@@ -1,6 +1,6 @@
-"""A source's config.json as conversion reads it: the sliding window transformers runs, and hand-edited or
-foreign values refused in one line by both commands that read a source (tools/convert_hf.py,
-tools/analyze_layers.py)."""
+"""A source's config.json as conversion reads it: the sliding window transformers runs, a Hub source's config
+checked before its weights are fetched, and hand-edited or foreign values refused in one line by both commands
+that read a source (tools/convert_hf.py, tools/analyze_layers.py)."""
 
 from __future__ import annotations
 
@@ -157,3 +157,57 @@ def test_bad_config_values_are_one_line_exit_2_before_any_work(
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- a Hub source: its config first
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """huggingface_hub's downloaders replaced by ones that serve ``hub["folder"]`` and record what was fetched."""
+    import huggingface_hub
+
+    hub: dict[str, Any] = {"fetched": []}
+
+    def hf_hub_download(repo_id: str, filename: str, **kwargs: Any) -> str:
+        hub["fetched"].append(filename)
+        return str(hub["folder"] / filename)
+
+    def snapshot_download(repo_id: str, **kwargs: Any) -> str:
+        hub["fetched"].append(f"snapshot {kwargs.get('allow_patterns')}")
+        return str(hub["folder"])
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return hub
+
+
+@pytest.mark.parametrize("command", ["convert", "analyze"])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(architectures=["SmolLM3ForCausalLM"], model_type="smollm3"), "unsupported architecture 'SmolLM3"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope scaling 'yarn'"),
+        (dict(num_hidden_layers="6"), "num_hidden_layers must be an integer >= 1"),
+    ],
+)
+def test_a_hub_source_is_refused_on_its_config_before_its_weights_are_fetched(
+    tiny_hf_checkpoint, tmp_path, capsys, monkeypatch, hub, command, changes, message
+):
+    hub["folder"] = edited_source(tiny_hf_checkpoint("llama"), tmp_path / "hub", **changes)
+    capsys.readouterr()  # building the source reports progress
+    out = tmp_path / "out"
+    if command == "convert":
+        code = run_convert(["owner/model", str(out), "--shape", "2,2,2"], monkeypatch)
+    else:
+        code = ANALYZE.main(["owner/model", *CALIBRATION, "--recommend", "2,2,2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert hub["fetched"] == ["config.json"] and not out.exists()
+
+
+def test_a_supported_hub_source_is_fetched_after_its_config(tiny_hf_checkpoint, tmp_path, monkeypatch, capsys, hub):
+    hub["folder"] = tiny_hf_checkpoint("llama")
+    code = run_convert(["owner/model", str(tmp_path / "out"), "--shape", "2,2,2", "--dry-run"], monkeypatch)
+    assert code == 0 and "dry run: nothing written" in capsys.readouterr().out
+    assert hub["fetched"][0] == "config.json" and hub["fetched"][1].startswith("snapshot ") and len(hub["fetched"]) == 2

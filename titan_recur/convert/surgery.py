@@ -15,7 +15,7 @@ import json
 import math
 import re
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -250,16 +250,25 @@ def _check_indices(n_layers: int, layers: tuple[int, ...]) -> None:
 
 
 def resolve_source(source: str, revision: str | None = None) -> Path:
-    """A local folder as is; otherwise a hub id, downloaded (safetensors, configs, tokenizer only)."""
+    """A local folder as is; otherwise a hub id: its config.json first, checked as read_source checks it, so
+    that a source conversion refuses costs no weights download; then safetensors, configs and tokenizer."""
     path = Path(source).expanduser()
     if path.is_dir():
         return path
     if path.exists() or not _HUB_ID.fullmatch(source):
         raise ConversionError(f"{source}: not a local folder (nor a hub id like owner/name)")
-    from huggingface_hub import snapshot_download
+    import huggingface_hub
 
+    config = _from_hub(source, lambda: huggingface_hub.hf_hub_download(source, CONFIG_NAME, revision=revision))
+    check_source_config(read_config(config))
+    return _from_hub(
+        source, lambda: huggingface_hub.snapshot_download(source, revision=revision, allow_patterns=HUB_PATTERNS)
+    )
+
+
+def _from_hub(source: str, download: Callable[[], str]) -> Path:
     try:
-        return Path(snapshot_download(source, revision=revision, allow_patterns=HUB_PATTERNS))
+        return Path(download())
     except Exception as e:  # network, auth, missing repo: one line for the user
         reason = (str(e).splitlines() or [""])[0]
         raise ConversionError(
