@@ -452,3 +452,27 @@ def test_a_checkpoint_without_its_manifest_is_refused_unless_verify_is_off(norma
     assert not (tmp_path / "other" / "checkpoints" / "step-2").exists()
     for name in ("resume_unverified", "start_from_unverified"):
         assert r[name]["rc"] == 0, r[name]["stderr"][-3000:]
+
+
+@pytest.mark.slow
+def test_a_leftover_partial_folder_does_not_hold_the_space_a_rerun_needs(normal_init_model, tmp_path):
+    """A save that did not finish leaves step-N.partial (an async save still in flight when the run failed for
+    another reason, a kill): on the disk it filled, every rerun failed before training, since only the next
+    save removed it. The rerun removes it when it resumes, before it writes anything, and completes."""
+    from tests.system.test_safety import fill_disk, tmpfs
+
+    config = write_config(tmp_path / "run.toml", normal_init_model, CORPUS_DATA)
+    disk = tmp_path / "tmpfs"
+    folder = disk / "run" / "checkpoints"
+    argv = ["--config", str(config), "--training.global_batch_size", "4", "--checkpoint.interval", "2"]
+    argv += ["--training.steps", "4", "--job.dump_folder", str(disk / "run"), "--checkpoint.async_mode", "async"]
+    with tmpfs(disk):
+        first = run_single_jobs([{"argv": argv}], tmp_path)[0]
+        (folder / "step-4").rename(folder / "step-4.partial")  # never renamed complete
+        shutil.copytree(folder / "step-2", folder / "step-4.partial" / "more")  # and the space it took
+        fill_disk(disk / "filler", leave=8192)  # the pages of the lock files the failed run removed
+        rerun = run_single_jobs([{"argv": argv, "watch": str(folder)}], tmp_path)[0]
+    assert first["rc"] == 0, first["stderr"][-3000:]
+    assert rerun["rc"] == 0, rerun["stderr"][-3000:]
+    assert f"ignoring incomplete checkpoint folder {folder / 'step-4.partial'}" in rerun["stdout"]
+    assert sorted({name.split("/")[0] for name in rerun["after"]}) == ["step-2", "step-4"]

@@ -4,7 +4,7 @@ Layout: ``<dump_folder>/<checkpoint.folder>/step-<N>/`` (DCP shards, ``.metadata
 ``manifest.json``). A step is written into ``step-<N>.partial``; once every rank has finished, each
 rank checksums the shards it wrote, rank 0 writes the manifest (sizes, checksums, the parent step,
 the run's fingerprint) and renames the folder. A crash mid-save leaves only a ``.partial`` folder,
-which is never loaded (it is reported on resume and removed by the next save). Anything else in the way
+which is never loaded (it is reported and removed on resume). Anything else in the way
 of a save, or a ``step-<N>`` without ``.metadata``, is renamed ``<name>.incomplete-<time>``: kept, and
 no rerun fails on it. Loading checks every file against the manifest first. Rewinding
 (``checkpoint.load_step``) moves the later steps to ``abandoned/``, where nothing resumes from them or
@@ -307,14 +307,22 @@ class CheckpointManager:
         """Leftover .partial folders, and all but the keep_latest_k newest steps of this lineage; a step folder
         without .metadata (never one of this trainer's: an interrupted copy) is set aside, not deleted."""
         found = scan_checkpoints(self.folder)
+        self._remove_partials(found.partial)
         for path in found.partial:
-            if path.name.endswith(PARTIAL_SUFFIX):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
+            if not path.name.endswith(PARTIAL_SUFFIX):
                 _log_rank0(f"set aside {path}, not a complete checkpoint, as {_move_aside(path)}")
         if self.keep_latest_k > 0:
             for step in found.complete[: -self.keep_latest_k]:
                 shutil.rmtree(self.step_folder(step), ignore_errors=True)
+
+    @staticmethod
+    def _remove_partials(leftovers: list[Path]) -> None:
+        """Rank 0: the .partial folders of saves that did not finish (never loaded). Removed on resume too, before
+        the run writes anything: one that filled the disk (an async save in flight when the run failed otherwise)
+        made every rerun fail before training, when only the next save removed it."""
+        for path in leftovers:
+            if path.name.endswith(PARTIAL_SUFFIX) and path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
 
     # ---------------------------------------------------------------------------------- resuming
 
@@ -328,6 +336,8 @@ class CheckpointManager:
         found = scan_checkpoints(self.folder)
         for path in found.partial:
             _log_rank0(f"ignoring incomplete checkpoint folder {path} (a save did not finish)")
+        if _is_rank0():
+            self._remove_partials(found.partial)
         if load_step >= 0:
             if load_step not in found.complete:
                 raise CheckpointError(
