@@ -256,7 +256,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(olmo2_1_2, tmp_path, ca
 def test_a_full_disk_leaves_nothing_and_the_rerun_writes(olmo2_1_2, tmp_path, capsys):
     """--out on a full disk: one line, and no result file left (an empty layer_analysis.json made the rerun refuse
     it without --force); with space, the same command writes all three."""
-    from tests.system.test_safety import fill_disk, tmpfs
+    from tests.disk_util import fill_disk, tmpfs
 
     disk = tmp_path / "tmpfs"
     argv = [str(olmo2_1_2), *CALIBRATION, "--out", str(disk / "out")]

@@ -459,7 +459,7 @@ def test_a_leftover_partial_folder_does_not_hold_the_space_a_rerun_needs(normal_
     """A save that did not finish leaves step-N.partial (an async save still in flight when the run failed for
     another reason, a kill): on the disk it filled, every rerun failed before training, since only the next
     save removed it. The rerun removes it when it resumes, before it writes anything, and completes."""
-    from tests.system.test_safety import fill_disk, tmpfs
+    from tests.disk_util import fill_disk, tmpfs
 
     config = write_config(tmp_path / "run.toml", normal_init_model, CORPUS_DATA)
     disk = tmp_path / "tmpfs"

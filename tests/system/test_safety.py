@@ -8,7 +8,6 @@ line. CPU, gloo, fp32, deterministic mode. See docs/checkpointing.md.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -21,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.disk_util import fill_disk, tmpfs
 from tests.tiny_runs import (
     CORPUS,
     CORPUS_DATA,
@@ -43,7 +43,6 @@ from titan_recur.training.trainer import EXIT_BAD_INPUT, EXIT_IO_FAILURE, EXIT_N
 from titan_recur.training.watchdog import EXIT_STALLED
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-TMPFS_BYTES = 32 << 20
 
 
 def one_source_config(root: Path, model: Path) -> Path:
@@ -77,21 +76,6 @@ def bad_data_configs(root: Path, model: Path) -> dict[str, Path]:
         ),
         "hub": data_config(root, model, "hub", 'path = "no-such-owner/no-such-dataset"\nkind = "hf"\n'),
     }
-
-
-@contextlib.contextmanager
-def tmpfs(folder: Path):
-    """A small real tmpfs (the tests run as root, here and in CI) to fill up."""
-    folder.mkdir()
-    mount = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES}", "tmpfs", str(folder)], capture_output=True, text=True
-    )
-    if mount.returncode != 0:
-        pytest.fail(f"the disk-full tests need to mount a tmpfs (run as root): {mount.stderr.strip()}")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 @pytest.fixture(scope="module")
@@ -493,15 +477,6 @@ def test_an_async_save_on_a_full_disk_and_its_rerun_each_end_in_one_line(normal_
         ), lines[0]
     assert results[3]["rc"] == 0 and not results[3]["stderr"].strip(), results[3]["stderr"][-3000:]
     assert left == ["step-2", "step-4"]
-
-
-def fill_disk(filler: Path, leave: int) -> None:
-    """Zeros into ``filler`` until ``leave`` bytes of its file system are free."""
-    stat = os.statvfs(filler.parent)
-    size = max(stat.f_bavail * stat.f_frsize - leave, 0)
-    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
-        while size > 0:
-            size -= f.write(b"\0" * min(size, 1 << 20))
 
 
 def run_command(main, argv: list[str], capsys, monkeypatch) -> tuple[int, str]:
