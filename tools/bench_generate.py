@@ -258,7 +258,10 @@ def engine_run(
             compile=compile,
             iterations_per_call=iterations_per_call,
         )
-        stop = lambda tokens: torch.full((tokens.shape[0],), tokens.shape[1] >= stop_after)  # noqa: E731
+
+        def stop(tokens: torch.Tensor) -> torch.Tensor:
+            return torch.full((tokens.shape[0],), tokens.shape[1] >= stop_after, device=tokens.device)
+
         return generate(model, input_ids, options, stop=stop).kv_cache_bytes
 
     return run

@@ -779,3 +779,48 @@ def test_bench_speed_times_the_hf_source_beside_the_engine(capsys) -> None:
     ]
     assert [(row[1], row[2]) for row in rows] == [("-", "hf source"), ("1", "full"), ("3", "full")]
     assert float(rows[0][3]) > 0 and rows[0][9] == "-"
+
+
+# --- the stop mask's device ---------------------------------------------------------------------
+
+
+class OtherDeviceMask(torch.Tensor):
+    """A stop mask standing for one on another device than the decoding's (a CPU mask while decoding on a GPU): any
+    use before ``.to(device)`` fails, as combining a CPU mask with CUDA tensors does. A CPU-only stand-in."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is not torch.Tensor.to:
+            raise RuntimeError(f"{func.__name__}: the stop mask is on another device")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {})).as_subclass(torch.Tensor)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_the_engine_moves_a_stop_mask_to_the_decoding_device(monkeypatch, compile: bool) -> None:
+    """P0-10 item 4: ``stop``'s mask was combined with the decoding's tensors where it was made, so a mask made on
+    the CPU failed a GPU's first token; the engine moves it (eagerly and on the fast path, aot_eager here)."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+
+    def stop(tokens: torch.Tensor) -> torch.Tensor:
+        return torch.full((tokens.shape[0],), tokens.shape[1] >= 3).as_subclass(OtherDeviceMask)
+
+    ids, mask = left_pad(prompts(), 0)
+    options = GenerationOptions(max_new_tokens=6, num_steps=2, compile=compile)
+    out = generate(build(), ids, options, attention_mask=mask, stop=stop)
+    assert out.tokens.shape == (3, 3) and out.lengths.tolist() == [3, 3, 3]
+
+
+def test_bench_speed_builds_its_stop_mask_on_the_tokens_device(monkeypatch) -> None:
+    """P0-10 item 4: tools/bench_generate.py speed made its stop mask on the CPU whatever the tokens' device (the
+    first CUDA token failed); the meta device stands in for a GPU."""
+    bench = load_tool("bench_generate")
+    masks = []
+
+    def fake_generate(model, input_ids, options, stop):
+        masks.append(stop(torch.zeros(2, 5, dtype=torch.long, device="meta")))
+        return SimpleNamespace(kv_cache_bytes=0)
+
+    monkeypatch.setattr(bench, "generate", fake_generate)
+    bench.engine_run(build(), torch.zeros(2, 3, dtype=torch.long), 2, "full", False, 1)(6, 4)
+    assert masks[0].device == torch.device("meta") and masks[0].shape == (2,) and masks[0].dtype == torch.bool

@@ -131,7 +131,7 @@ def generate(
         if opts.eos_id is not None:
             finished |= token == opts.eos_id
         if stop is not None:
-            finished |= stop(torch.stack(tokens, dim=1))
+            finished |= stop(torch.stack(tokens, dim=1)).to(device)  # the caller's mask may be on another device
         if t == opts.max_new_tokens - 1 or ((opts.eos_id is not None or stop is not None) and bool(finished.all())):
             break
         keys[:, width + t] = True
@@ -182,7 +182,7 @@ def _generate_static(
         if return_logits:
             logits.append(program.logits[:bsz].clone())
         if stop is not None:
-            program.finished[:bsz] |= stop(torch.stack(tokens, dim=1))
+            program.finished[:bsz] |= stop(torch.stack(tokens, dim=1)).to(program.finished.device)
         check_now = stop is not None or t % FINISH_CHECK_EVERY == FINISH_CHECK_EVERY - 1
         if t == opts.max_new_tokens - 1 or (watch_finish and check_now and bool(program.finished.all())):
             break
