@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,52 @@ def test_bench_generate_input_errors_are_one_line(tmp_path: Path, capsys, argv: 
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("bench_generate.py: error: "), lines
     assert all(paths.get(w, w) in lines[0] for w in words), lines[0]
+
+
+# --- tools/bench_gpu.sh on a bare GPU machine ---------------------------------------------------
+
+
+def bare_gpu_machine(tmp_path: Path) -> dict[str, str]:
+    """The environment a lent GPU machine gives tools/bench_gpu.sh: no .venv (a `python3` on PATH holds torch and
+    transformers: here one that runs this interpreter), titan_recur not installed (the editable install's finder is
+    shadowed), no `datasets` or `torchdata` (modules that raise ImportError shadow them) and $OUT a folder."""
+    site = tmp_path / "site"
+    (site / "torchdata").mkdir(parents=True)
+    refusal = "raise ImportError('not installed on this machine')\n"
+    (site / "datasets.py").write_text(refusal)
+    (site / "torchdata" / "__init__.py").write_text(refusal)
+    for finder in Path(sysconfig.get_paths()["purelib"]).glob("__editable___titan_recur*_finder.py"):
+        (site / finder.name).write_text("def install() -> None:\n    pass  # titan_recur is not installed here\n")
+    python3 = tmp_path / "bin" / "python3"
+    python3.parent.mkdir()
+    python3.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python3.chmod(0o755)
+    (tmp_path / "out").mkdir()
+    env = {key: value for key, value in os.environ.items() if key not in ("PY", "BENCH_JSONL", "PYTHONPATH")}
+    return env | {
+        "PATH": f"{python3.parent}{os.pathsep}{env['PATH']}",
+        "PYTHONPATH": str(site),
+        "VENV_PYTHON": str(tmp_path / "no_venv" / "bin" / "python"),
+        "OUT": str(tmp_path / "out"),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
+def test_the_bare_machine_lacks_titan_recur_datasets_and_torchdata(tmp_path: Path):
+    """The stand-in hides what it says it hides."""
+    env = bare_gpu_machine(tmp_path)
+    for module in ("titan_recur", "datasets", "torchdata"):
+        done = subprocess.run(["python3", "-c", f"import {module}"], cwd=tmp_path, env=env, capture_output=True)
+        last = done.stderr.strip().splitlines()[-1]
+        assert done.returncode == 1 and last.startswith((b"ImportError", b"ModuleNotFoundError")), (module, last)
+
+
+def test_the_gpu_benchmarks_import_without_datasets_and_torchdata(tmp_path: Path):
+    """P0-10 item 4: bench_step (the trainer) and bench_generate imported `datasets` and `torchdata`, which a GPU
+    machine may lack, though they read no data; the data loader now imports them where it reads or loads."""
+    env = bare_gpu_machine(tmp_path)
+    env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env['PYTHONPATH']}"  # as tools/bench_gpu.sh sets it
+    code = "import sys; sys.path.insert(0, 'tools'); import bench_generate, bench_step, titan_recur.training.trainer"
+    done = subprocess.run(["python3", "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import codecs
+import functools
 import glob
 import hashlib
 import json
@@ -35,20 +36,23 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import datasets
 import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from datasets.distributed import split_dataset_by_node
 from torch.utils.data import IterableDataset, get_worker_info
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titan_recur.config import Data, DataSource, JobConfig
 from titan_recur.data.tokenizer import Tokenizer, tokenizer_probe
 from titan_recur.models.loss import IGNORE_INDEX
+
+# `datasets` and `torchdata` are imported where a source is read or a loader built: what reads no data (the
+# benchmarks' random batches) runs where they are not installed (a bare GPU machine).
+if TYPE_CHECKING:
+    import datasets
+    from torchdata.stateful_dataloader import StatefulDataLoader
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +149,8 @@ def token_stream_metadata(s: DataSource) -> dict[str, Any] | None:
 
 def open_source(s: DataSource) -> datasets.IterableDataset:
     """A streaming ``datasets`` reader of one source, reduced to its text (or input_ids) column."""
+    import datasets
+
     # An early-closed parquet stream otherwise sleeps 5 s in datasets' thread shutdown.
     datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0
     # The json builder logs every parse error on its own line; read_error() says it in ours.
@@ -339,6 +345,8 @@ class _SourceStream:
         self.source, self.tokenizer, self.reader = source, tokenizer, reader
         self.row_len = seq_len + 1
         self.name = source.name or source.path
+        from datasets.distributed import split_dataset_by_node
+
         self.ds = split_dataset_by_node(open_source(source), reader.index, reader.count)
         self.fields = _read_fields(source, self.ds)
         # v2 token streams are packed like text (chunks concatenated, cut into rows); v1 rows pass through.
@@ -676,68 +684,75 @@ def _dataset_states(obj: Any) -> Iterator[dict]:
                 yield from _dataset_states(value)
 
 
-class DataLoader(StatefulDataLoader):
-    """StatefulDataLoader whose state also records the data geometry, to detect resharding on resume."""
+@functools.cache
+def _loader_class() -> type:
+    """The run's loader class, built on the first loader: it subclasses torchdata's StatefulDataLoader."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
 
-    def __init__(self, dataset: PackedDataset, num_workers: int, reshard: str):
-        with warnings.catch_warnings():  # torchdata calls torch.set_vital, which torch deprecates: not the user's
-            warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
-            super().__init__(
-                dataset,
-                batch_size=dataset.batch,
-                num_workers=num_workers,
-                collate_fn=_collate,
-                pin_memory=torch.cuda.is_available(),
-            )
-        self.reshard = reshard
-        self.geometry = {
-            "dp_world": dataset.dp_world,
-            "num_workers": num_workers,
-            "local_batch_size": dataset.batch,
-            "rows_per_step": dataset.rows_per_step,
-        }
+    class DataLoader(StatefulDataLoader):
+        """StatefulDataLoader whose state also records the data geometry, to detect resharding on resume."""
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"loader": super().state_dict(), "geometry": self.geometry}
+        def __init__(self, dataset: PackedDataset, num_workers: int, reshard: str):
+            with warnings.catch_warnings():  # torchdata calls torch.set_vital, which torch deprecates: not the user's
+                warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+                super().__init__(
+                    dataset,
+                    batch_size=dataset.batch,
+                    num_workers=num_workers,
+                    collate_fn=_collate,
+                    pin_memory=torch.cuda.is_available(),
+                )
+            self.reshard = reshard
+            self.geometry = {
+                "dp_world": dataset.dp_world,
+                "num_workers": num_workers,
+                "local_batch_size": dataset.batch,
+                "rows_per_step": dataset.rows_per_step,
+            }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume exactly; with another geometry, refuse or (data.reshard = 'restart') restart the streams."""
-        if state["geometry"] == self.geometry:
-            return super().load_state_dict(state["loader"])
-        old, loader = state["geometry"], state["loader"]
-        step = loader.get("_num_yielded", 0) * old["local_batch_size"] // old["rows_per_step"]
-        if self.reshard != "restart":
-            raise ValueError(
-                f"the data state was saved with {old}, this run has {self.geometry}: a data position cannot "
-                f"be resharded exactly; set data.reshard = 'restart' to restart the data streams at a new "
-                f"epoch from step {step}"
-            )
-        epochs = [s["epoch"] for d in _dataset_states(loader) for s in d["streams"].values()]
-        self.restart(step, epoch=1 + max(epochs, default=0))
+        def state_dict(self) -> dict[str, Any]:
+            return {"loader": super().state_dict(), "geometry": self.geometry}
 
-    def restart(self, step: int, epoch: int) -> None:
-        """Start every source afresh at ``epoch`` (a deterministic new pass), with rows numbered from ``step``.
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            """Resume exactly; with another geometry, refuse or (data.reshard = 'restart') restart the streams."""
+            if state["geometry"] == self.geometry:
+                return super().load_state_dict(state["loader"])
+            old, loader = state["geometry"], state["loader"]
+            step = loader.get("_num_yielded", 0) * old["local_batch_size"] // old["rows_per_step"]
+            if self.reshard != "restart":
+                raise ValueError(
+                    f"the data state was saved with {old}, this run has {self.geometry}: a data position cannot "
+                    f"be resharded exactly; set data.reshard = 'restart' to restart the data streams at a new "
+                    f"epoch from step {step}"
+                )
+            epochs = [s["epoch"] for d in _dataset_states(loader) for s in d["streams"].values()]
+            self.restart(step, epoch=1 + max(epochs, default=0))
 
-        For resuming on another geometry, where no exact position exists; the phases and the mixture
-        stay aligned with the optimizer steps.
-        """
-        logger.warning(f"data: restarting every source at epoch {epoch} from step {step} ({self.geometry})")
-        dataset = self.dataset
-        dataset.start_row = step * dataset.rows_per_step
-        fresh = {"epoch": epoch, "epoch_docs": 0, "batch_state": None, "pos": 0, "buffer": []}  # type: ignore[var-annotated]
-        dataset.load_state_dict({_STATE_KEY: 1, "rows": 0, "streams": {k: dict(fresh) for k in dataset.sources}})
-        super().load_state_dict({})
+        def restart(self, step: int, epoch: int) -> None:
+            """Start every source afresh at ``epoch`` (a deterministic new pass), with rows numbered from ``step``.
+
+            For resuming on another geometry, where no exact position exists; the phases and the mixture
+            stay aligned with the optimizer steps.
+            """
+            logger.warning(f"data: restarting every source at epoch {epoch} from step {step} ({self.geometry})")
+            dataset = self.dataset
+            dataset.start_row = step * dataset.rows_per_step
+            fresh = {"epoch": epoch, "epoch_docs": 0, "batch_state": None, "pos": 0, "buffer": []}  # type: ignore[var-annotated]
+            dataset.load_state_dict({_STATE_KEY: 1, "rows": 0, "streams": {k: dict(fresh) for k in dataset.sources}})
+            super().load_state_dict({})
+
+    return DataLoader
 
 
 def build_dataloader(
     cfg_data: Data, tokenizer: Tokenizer, geometry: LoaderGeometry, *, split: str = "train", single_pass: bool = False
-) -> DataLoader:
+) -> StatefulDataLoader:
     """Batches {"input_ids", "labels"} of shape (local_batch_size, seq_len) for one data-parallel rank.
 
     ``single_pass``: read every source once, then stop (evaluation); the last batch may have fewer rows.
     """
     dataset = PackedDataset(cfg_data, tokenizer, geometry, split=split, single_pass=single_pass)
-    return DataLoader(dataset, num_workers=cfg_data.num_workers, reshard=cfg_data.reshard)
+    return _loader_class()(dataset, num_workers=cfg_data.num_workers, reshard=cfg_data.reshard)
 
 
 def heldout_documents(cfg: Data) -> Iterator[str | tuple[str, str]]:
