@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import statistics
 import sys
@@ -164,6 +165,7 @@ def _add_speed_command(commands: Any) -> None:
         help="core iterations per compiled call (GenerationOptions.iterations_per_call)",
     )
     speed.add_argument("--hf-source", help="also time transformers' generate of this plain HF model folder")
+    speed.add_argument("--jsonl", type=Path, help="also append each row as one JSON line to this file")
 
 
 def _add_check_command(commands: Any) -> None:
@@ -175,6 +177,7 @@ def _add_check_command(commands: Any) -> None:
     check.add_argument("--recurrences", default="4,32")
     check.add_argument("--prompt-len", type=int, default=32)
     check.add_argument("--new-tokens", type=int, default=32)
+    check.add_argument("--jsonl", type=Path, help="also append each r's figures as one JSON line to this file")
 
 
 def _add_memory_command(commands: Any) -> None:
@@ -375,26 +378,66 @@ def run_speed(args: argparse.Namespace) -> None:
             for _ in range(args.rounds):
                 for name, run in runs.items():
                     timings[name].append(time_run(run, args.new_tokens, args.device))
-            tokens = bsz * args.new_tokens
             bound = bsz * bandwidth / decode_bytes(model, r, bsz, args.prompt_len + args.new_tokens // 2)
             for name, rows in timings.items():
-                wall = [row[0] for row in rows]
-                cpu = [row[1] for row in rows]
-                ratios = ["-", "-"]
-                if "cat" in timings:
-                    base = timings["cat"]
-                    ratios = [
-                        f"{statistics.median(b[i] / t[i] for b, t in zip(base, rows, strict=True)):.2f}" for i in (0, 1)
-                    ]
-                speed = tokens / statistics.median(wall)
-                ours = name != "hf source"  # the bound and cache are this model's, at this r
-                print(
-                    f"| {bsz} | {r if ours else '-'} | {name} | {speed:.1f} | "
-                    f"{tokens / statistics.median(cpu):.1f} | {ratios[0]} | {ratios[1]} | "
-                    + (f"{rows[0][2] / 2**20:.2f} | {bound:.1f} | {100 * speed / bound:.1f}" if ours else "- | - | -")
-                    + f" | {warmup[name]:.1f} |",
-                    flush=True,
-                )
+                report_speed(args, name, rows, timings.get("cat"), bsz, r, bound, warmup[name])
+
+
+def report_speed(
+    args: argparse.Namespace,
+    name: str,
+    rows: list[tuple[float, float, int]],
+    cat: list[tuple[float, float, int]] | None,
+    bsz: int,
+    r: int,
+    bound: float,
+    warmup_s: float,
+) -> None:
+    """One engine's row of the speed table, and with --jsonl its JSON line. ``rows``: (wall s, CPU s, cache bytes)
+    per round; ``cat``: the concatenating decoder's, of the same rounds, for the ratios."""
+    tokens = bsz * args.new_tokens
+    wall = tokens / statistics.median(row[0] for row in rows)
+    cpu = tokens / statistics.median(row[1] for row in rows)
+    ratios = ["-", "-"]
+    if cat is not None:
+        ratios = [f"{statistics.median(b[i] / t[i] for b, t in zip(cat, rows, strict=True)):.2f}" for i in (0, 1)]
+    ours = name != "hf source"  # the bound and cache are this model's, at this r
+    cache_mib = rows[0][2] / 2**20
+    print(
+        f"| {bsz} | {r if ours else '-'} | {name} | {wall:.1f} | {cpu:.1f} | {ratios[0]} | {ratios[1]} | "
+        + (f"{cache_mib:.2f} | {bound:.1f} | {100 * wall / bound:.1f}" if ours else "- | - | -")
+        + f" | {warmup_s:.1f} |",
+        flush=True,
+    )
+    append_jsonl(
+        args.jsonl,
+        {
+            **bench_settings(args, "decode_speed"),
+            "batch": bsz,
+            "r": r if ours else None,
+            "engine": name,
+            "rounds": args.rounds,
+            "tokens_per_sec": wall,
+            "tokens_per_sec_cpu": cpu,
+            "kv_cache_mib": cache_mib if ours else None,
+            "bound_tokens_per_sec": bound if ours else None,
+            "share_of_bound": wall / bound if ours else None,
+            "warmup_seconds": warmup_s,
+        },
+    )
+
+
+def bench_settings(args: argparse.Namespace, bench: str) -> dict:
+    """What a JSON line's figures were measured on: the command, device, dtype, model shape, prompt and tokens."""
+    names = ("device", "dtype", "shape", "dim", "heads", "kv_heads", "ffn", "vocab", "prompt_len", "new_tokens")
+    return {"bench": bench, **{name: getattr(args, name) for name in names}}
+
+
+def append_jsonl(path: Path | None, record: dict) -> None:
+    """Append one JSON line (tools/bench_gpu.sh collects them); nothing without --jsonl."""
+    if path is not None:
+        with path.open("a") as out:
+            out.write(json.dumps(record) + "\n")
 
 
 # --- check --------------------------------------------------------------------------------------
@@ -418,16 +461,30 @@ def run_check(args: argparse.Namespace) -> None:
         assert eager.logits is not None and fast.logits is not None  # asked for
         difference = float((fast.logits - eager.logits).abs().max())
         agree = float((fast.logits.argmax(-1) == eager.logits.argmax(-1)).float().mean())
+        std = float(eager.logits.std())
         print(
             f"r={r} batch {args.batch_size} {args.dtype} {args.device}: fast vs eager over {args.new_tokens} "
             f"teacher-forced tokens: max |logit difference| {difference:.4f} (logit std "
-            f"{float(eager.logits.std()):.3f}), argmax agreement {100 * agree:.1f}%",
+            f"{std:.3f}), argmax agreement {100 * agree:.1f}%",
             flush=True,
         )
-        if args.device.startswith("cuda"):
+        sync_checked_steps = args.device.startswith("cuda")
+        if sync_checked_steps:
             with mock.patch.object(DecodeProgram, "step", sync_checked(DecodeProgram.step)):
                 generate(model, input_ids, dataclasses.replace(options, compile=True))
             print(f"r={r}: every token step under set_sync_debug_mode('error'): no host sync", flush=True)
+        append_jsonl(
+            args.jsonl,
+            {
+                **bench_settings(args, "decode_check"),
+                "batch": args.batch_size,
+                "r": r,
+                "max_logit_difference": difference,
+                "logit_std": std,
+                "argmax_agreement": agree,
+                "host_sync_checked": sync_checked_steps,  # the token steps ran under set_sync_debug_mode("error")
+            },
+        )
 
 
 def sync_checked(step: Callable[[DecodeProgram], None]) -> Callable[[DecodeProgram], None]:

@@ -384,6 +384,36 @@ def test_bench_speed_times_every_engine_in_interleaved_rounds(capsys) -> None:
     assert all(float(row[8]) > 0 and 0 < float(row[9]) and float(row[10]) >= 0 for row in rows)
 
 
+def test_bench_speed_and_check_write_their_figures_as_json_lines(tmp_path: Path, capsys, monkeypatch) -> None:
+    """--jsonl: each speed row and each check r as one JSON line (tools/bench_gpu.sh collects them), the printed
+    figures; the check's fast path compiled with aot_eager here."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    bench = load_tool("bench_generate")
+    shape = ["--dim", "32", "--heads", "2", "--kv-heads", "1", "--ffn", "64", "--vocab", "64", "--prompt-len", "4"]
+    out = tmp_path / "points.jsonl"
+    bench.main(
+        ["speed", *shape, "--batch-sizes", "2", "--recurrences", "3", "--new-tokens", "5", "--rounds", "1"]
+        + ["--engines", "full,latest", "--jsonl", str(out)]
+    )
+    bench.main(["check", *shape, "--dtype", "float32", "--recurrences", "3", "--new-tokens", "4", "--jsonl", str(out)])
+    printed = capsys.readouterr().out.splitlines()
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in printed if line.startswith("| 2 ")]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["bench"], r.get("engine")) for r in records] == [
+        ("decode_speed", "full"),
+        ("decode_speed", "latest"),
+        ("decode_check", None),
+    ]
+    for row, record in zip(rows, records[:2], strict=True):
+        assert record["batch"] == 2 and record["r"] == 3 and record["device"] == "cpu" and record["dim"] == 32
+        assert row[3] == f"{record['tokens_per_sec']:.1f}" and row[7] == f"{record['kv_cache_mib']:.2f}"
+        assert row[9] == f"{100 * record['share_of_bound']:.1f}" and row[10] == f"{record['warmup_seconds']:.1f}"
+    for line, record in zip([line for line in printed if line.startswith("r=")], records[2:], strict=True):
+        assert f"max |logit difference| {record['max_logit_difference']:.4f}" in line
+        assert line.endswith(f"argmax agreement {100 * record['argmax_agreement']:.1f}%")
+        assert record["host_sync_checked"] is False  # a GPU's check only
+
+
 # --- warm start and sampling --------------------------------------------------------------------
 
 
