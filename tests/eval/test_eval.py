@@ -18,6 +18,7 @@ from titan_recur.convert.surgery import ConvertOptions, convert, plan_layers
 from titan_recur.eval import mean_losses, validation_loss_sums
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.storage.checkpoint import ModelState
+from titan_recur.storage.manifest import seal_folder
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG_MODEL = REPO / "assets" / "tiny_llama_recurrent"
@@ -112,6 +113,7 @@ def test_loss_cli_reads_dcp_step_and_train_config_validation_split(model_dir: Pa
     """A DCP step folder (+ --model-config) gives the model folder's losses; --config uses the held-out split."""
     step = tmp_path / "checkpoints" / "step-7"
     dcp.save({"model": ModelState(load_model(model_dir))}, checkpoint_id=str(step))
+    seal_folder(step, "checkpoint")  # a step folder carries its manifest, as the trainer writes it
     config = tmp_path / "train.toml"
     config.write_text(
         f'[model]\npath = "{model_dir}"\n[data]\nvalidation_fraction = 0.2\n'
