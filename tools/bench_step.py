@@ -3,7 +3,9 @@
 Runs titan_recur's Trainer (parallelize recipe, FSDP2 with bf16 mixed precision on GPU, Muon + AdamW,
 chunked loss) on random token batches at a fixed (n, k), so the figure is the step users run at the
 depth they choose. Launch under torchrun (one process per GPU; FSDP2 and its mixed-precision policy
-need a process group), or as one process on the CPU.
+need a process group; tools/bench_gpu.sh sets torchrun's RANK, WORLD_SIZE and MASTER_* for one rank
+itself), or as one process on the CPU. The trainer's data check and loader are skipped: neither
+`datasets` nor `torchdata` is needed.
 
     torchrun --standalone --nproc-per-node 1 tools/bench_step.py --preset llama3.2-1b --shape 4,6,4 \\
         --num-steps 24,8 --seq-len 1024 --local-batch 8 --compile --ac-mode per_iteration
@@ -20,7 +22,11 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
+from unittest import mock
+
+if TYPE_CHECKING:
+    from titan_recur.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,21 +113,33 @@ def trainer_overrides(args: argparse.Namespace, dump: str) -> list[str]:
     ]
 
 
+def build_trainer(args: argparse.Namespace, dump: str) -> Trainer:
+    """The trainer of the debug config with this benchmark's overrides, without its data check and loader: the
+    benchmark feeds random batches, and both read the config's corpus through `datasets` and `torchdata`, which
+    a GPU machine may lack (P0-10 item 4)."""
+    from titan_recur.config import load_config
+    from titan_recur.training.trainer import Trainer
+
+    cfg = load_config(str(REPO / "train_configs" / "debug_model.toml"), trainer_overrides(args, dump))
+    with (
+        mock.patch("titan_recur.training.preflight.check_data"),
+        mock.patch("titan_recur.training.trainer.build_dataloader", return_value=None),
+    ):
+        return Trainer(cfg)
+
+
 def run(args: argparse.Namespace) -> dict:
     """Time the step at (n, k), split into its phases, then at (n + 4, k) and (n, k + 2): the differences are
     the cost of one no-grad and one grad iteration inside the real step (changing (n, k) compiles nothing new)."""
     import torch
 
-    from titan_recur.config import load_config
     from titan_recur.training import cost_model
     from titan_recur.training.optim import Muon
     from titan_recur.training.profiling import STEP_PHASES
-    from titan_recur.training.trainer import Trainer
 
     n, k = (int(v) for v in args.num_steps.split(","))
     with tempfile.TemporaryDirectory() as dump:
-        # The debug config supplies data sources and the tokenizer check; the batches below replace its data.
-        trainer = Trainer(load_config(str(REPO / "train_configs" / "debug_model.toml"), trainer_overrides(args, dump)))
+        trainer = build_trainer(args, dump)
         gen = torch.Generator().manual_seed(trainer.dist.rank)
         vocab, device = trainer.model_args.vocab_size, trainer.dist.device
 
