@@ -235,3 +235,28 @@ def test_the_gpu_benchmarks_import_without_datasets_and_torchdata(tmp_path: Path
     code = "import sys; sys.path.insert(0, 'tools'); import bench_generate, bench_step, titan_recur.training.trainer"
     done = subprocess.run(["python3", "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_bench_gpu_dry_run_writes_every_point_on_a_bare_machine(tmp_path: Path):
+    """P0-10 item 4: tools/bench_gpu.sh gave no figure on a GPU machine (it wrote its JSON lines to $OUT, which is
+    a folder there; it wanted .venv/bin/python, an installed titan_recur, datasets and torchdata). DRY_RUN=1 runs
+    WINDOW=1's points on the CPU, tiny, in that machine's environment: each one writes its JSON lines."""
+    env = bare_gpu_machine(tmp_path) | {"DRY_RUN": "1"}
+    done = subprocess.run(["bash", "tools/bench_gpu.sh"], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "out"
+    points = [json.loads(line) for line in (out / "bench_gpu.jsonl").read_text().splitlines()]
+    assert not [p for p in points if "failed" in p], done.stdout[-3000:]
+    assert [(p["bench"], p["batch"], p["engine"]) for p in points[:3]] == [
+        ("decode_speed", batch, "full") for batch in (1, 8, 64)
+    ]
+    assert points[3]["bench"] == "decode_check" and points[3]["argmax_agreement"] > 0.9
+    assert [(p["local_batch"], p["ac_mode"], p["device"]) for p in points[4:]] == [
+        (8, "per_iteration", "cpu"),
+        (16, "per_iteration", "cpu"),
+        (8, "none", "cpu"),
+    ]
+    log = (out / "bench_gpu.log").read_text()
+    assert log.startswith("== python: python3\n")  # no .venv: the python3 on PATH
+    assert log.count("| batch | r | engine |") == 3 and "fast vs eager" in log and log.count("tok/s/device") == 3
