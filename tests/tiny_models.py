@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -42,4 +43,14 @@ def make_model_dir(folder: Path, **overrides: Any) -> Path:
     save_model(model, folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ASSETS / "tokenizer" / name, folder / name)
+    return folder
+
+
+def edited_source(source: Path, folder: Path, **changes: Any) -> Path:
+    """A copy of a tiny HF source whose config.json has ``changes`` (a None drops the key)."""
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        config.pop(key, None) if value is None else config.__setitem__(key, value)
+    (folder / "config.json").write_text(json.dumps(config))
     return folder

@@ -4,8 +4,6 @@ that read a source (tools/convert_hf.py, tools/analyze_layers.py)."""
 
 from __future__ import annotations
 
-import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.tiny_models import edited_source
 from tests.torchrun_util import load_tool
 from titan_recur.convert.surgery import SourceModel
 from titan_recur.models.families import FAMILIES
@@ -89,16 +88,6 @@ def test_max_seq_len_is_capped_where_transformers_slides_a_layer(family, window)
 
 
 # ---------------------------------------------------------------- bad config values: one line, exit 2, no work
-
-
-def edited_source(source: Path, folder: Path, **changes: Any) -> Path:
-    """A copy of a tiny HF source whose config.json has ``changes`` (a None drops the key)."""
-    shutil.copytree(source, folder)
-    config = json.loads((folder / "config.json").read_text())
-    for key, value in changes.items():
-        config.pop(key, None) if value is None else config.__setitem__(key, value)
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
 
 
 def small_embedding_source(source: Path, folder: Path) -> Path:

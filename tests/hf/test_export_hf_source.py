@@ -4,15 +4,13 @@ reads, and a sliding attention window shorter than the input."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from tests.hf_util import load
+from tests.tiny_models import edited_source
 from titan_recur.convert.surgery import ConversionError, ConvertOptions, convert, plan_layers
 from titan_recur.hf.export import export_hf
 from titan_recur.storage.model_io import load_model, read_model_args, write_model_args
@@ -20,16 +18,6 @@ from titan_recur.storage.model_io import load_model, read_model_args, write_mode
 EXACT = ConvertOptions(adapter_init="identity", state_init="zero")
 LINEAR = {"factor": 2.0}
 LLAMA3 = {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-
-
-def edited_source(source: Path, folder: Path, **changes: Any) -> Path:
-    """A copy of a tiny HF source whose config.json has ``changes`` (a None drops the key)."""
-    shutil.copytree(source, folder)
-    config = json.loads((folder / "config.json").read_text())
-    for key, value in changes.items():
-        config.pop(key, None) if value is None else config.__setitem__(key, value)
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
 
 
 @torch.no_grad()
