@@ -476,3 +476,42 @@ def test_a_leftover_partial_folder_does_not_hold_the_space_a_rerun_needs(normal_
     assert rerun["rc"] == 0, rerun["stderr"][-3000:]
     assert f"ignoring incomplete checkpoint folder {folder / 'step-4.partial'}" in rerun["stdout"]
     assert sorted({name.split("/")[0] for name in rerun["after"]}) == ["step-2", "step-4"]
+
+
+def test_a_kill_while_old_steps_are_pruned_leaves_no_step_that_looks_complete_but_is_not(tmp_path, monkeypatch):
+    """keep_latest_k removes old steps after each save; a kill -9 inside that removal (seen in CI: step-1 kept
+    its manifest and .metadata but lost __0_0.distcp, and the next check called it corrupt) must leave only
+    a leftover, never a half-deleted step-N that scans as complete."""
+    from titan_recur.storage import checkpoint
+    from titan_recur.storage.checkpoint import CheckpointManager, verify_checkpoint
+
+    class Killed(BaseException):
+        pass
+
+    weights = {"w": torch.arange(6.0)}
+
+    class State:
+        def state_dict(self):
+            return weights
+
+        def load_state_dict(self, state):
+            weights.update(state)
+
+    manager = CheckpointManager(tmp_path, {"model": State()}, interval=1, keep_latest_k=1)
+    manager.save(1)
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):  # the first file goes, then the process dies
+        os.remove(sorted(p for p in Path(path).rglob("*.distcp"))[0])
+        raise Killed
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_midway)
+    with pytest.raises(Killed):
+        manager.save(2)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
+    found = scan_checkpoints(tmp_path)
+    assert found.complete == [2]
+    for step in found.complete:
+        verify_checkpoint(tmp_path / f"step-{step}")
+    manager.save(3)  # the leftover goes with the next save
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step-3"]

@@ -50,6 +50,8 @@ from titan_recur.storage.manifest import (
 
 STEP_PATTERN = re.compile(r"^step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
+PRUNED_SUFFIX = ".pruned"  # an old step on its way out: renamed first, so a kill mid-removal leaves no half step
+LEFTOVER_SUFFIXES = (PARTIAL_SUFFIX, PRUNED_SUFFIX)
 ABANDONED = "abandoned"
 _SHARD_PATTERN = re.compile(r"^__(\d+)_\d+\.distcp$")
 # DCP warns on every save/load without a process group; one process is a supported way to train here.
@@ -140,7 +142,7 @@ def scan_checkpoints(folder: Path) -> StepFolders:
             match = STEP_PATTERN.match(entry.name)
             if match and (entry / ".metadata").is_file():
                 complete.append(int(match.group(1)))
-            elif entry.name.endswith(PARTIAL_SUFFIX) or match:
+            elif entry.name.endswith(LEFTOVER_SUFFIXES) or match:
                 partial.append(entry)
     return StepFolders(sorted(complete), sorted(partial))
 
@@ -309,19 +311,22 @@ class CheckpointManager:
         found = scan_checkpoints(self.folder)
         self._remove_partials(found.partial)
         for path in found.partial:
-            if not path.name.endswith(PARTIAL_SUFFIX):
+            if not path.name.endswith(LEFTOVER_SUFFIXES):
                 _log_rank0(f"set aside {path}, not a complete checkpoint, as {_move_aside(path)}")
         if self.keep_latest_k > 0:
             for step in found.complete[: -self.keep_latest_k]:
-                shutil.rmtree(self.step_folder(step), ignore_errors=True)
+                folder = self.step_folder(step)
+                pruned = folder.rename(folder.with_name(folder.name + PRUNED_SUFFIX))
+                shutil.rmtree(pruned, ignore_errors=True)
 
     @staticmethod
     def _remove_partials(leftovers: list[Path]) -> None:
-        """Rank 0: the .partial folders of saves that did not finish (never loaded). Removed on resume too, before
-        the run writes anything: one that filled the disk (an async save in flight when the run failed otherwise)
-        made every rerun fail before training, when only the next save removed it."""
+        """Rank 0: the .partial folders of saves that did not finish (never loaded) and the .pruned ones whose removal
+        was cut short. Removed on resume too, before the run writes anything: one that filled the disk (an async save
+        in flight when the run failed otherwise) made every rerun fail before training, when only the next save
+        removed it."""
         for path in leftovers:
-            if path.name.endswith(PARTIAL_SUFFIX) and path.is_dir() and not path.is_symlink():
+            if path.name.endswith(LEFTOVER_SUFFIXES) and path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
 
     # ---------------------------------------------------------------------------------- resuming
@@ -335,7 +340,8 @@ class CheckpointManager:
         """
         found = scan_checkpoints(self.folder)
         for path in found.partial:
-            _log_rank0(f"ignoring incomplete checkpoint folder {path} (a save did not finish)")
+            why = "its removal did not finish" if path.name.endswith(PRUNED_SUFFIX) else "a save did not finish"
+            _log_rank0(f"ignoring incomplete checkpoint folder {path} ({why})")
         if _is_rank0():
             self._remove_partials(found.partial)
         if load_step >= 0:
