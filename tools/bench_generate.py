@@ -86,7 +86,8 @@ from bench_models import add_shape_arguments, random_model, shape_model_args  # 
 
 from titan_recur import RecurrentLM
 from titan_recur.inference.decode_program import DecodeProgram
-from titan_recur.inference.engine import GenerationOptions, generate
+from titan_recur.inference.engine import generate
+from titan_recur.inference.options import GenerationOptions
 from titan_recur.models.model import Decoding
 from titan_recur.storage.checkpoint import CheckpointError
 

@@ -361,8 +361,9 @@ def test_model_args_take_every_generation_option_with_its_default(model_dir: Pat
     lm = TitanRecurLM(**simple_parse_args_string(f"pretrained={model_dir},{given}"))
     assert lm.num_steps == 3 and lm.generation.num_steps is None
     options = lm.generation_options(4)
-    assert (options.exit_criterion, options.min_steps, options.check_every, options.lookahead) == ("kl", 2, 2, 3)
-    assert type(options.exit_threshold) is float and options.exit_threshold == 1.0 and options.compile is False
+    rule = options.exit
+    assert rule is not None and (rule.criterion, rule.min_steps, rule.check_every, options.lookahead) == ("kl", 2, 2, 3)
+    assert type(rule.threshold) is float and rule.threshold == 1.0 and options.compile is False
     with pytest.raises(TypeError, match="unexpected keyword argument 'temperature'"):
         TitanRecurLM(pretrained=str(model_dir), temperature=0.7)
 

@@ -11,8 +11,8 @@ import torch
 
 from tests.hf_util import EXPORT_MEAN, batch, load
 from titan_recur import greedy_generate, load_model
-from titan_recur.inference.engine import GenerationOptions
 from titan_recur.inference.engine import generate as engine_generate
+from titan_recur.inference.options import GenerationOptions
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""The fast decode path (titan_recur/inference/decode_program.py) against the eager engine.
+"""The decode step compiled (titan_recur/inference/decode_program.py) against the same step uncompiled.
 
 Every test compiles with ``backend="aot_eager"``: dynamo's capture (fullgraph: no graph break, so no
 host sync inside a piece), AOT functionalisation of the in-place cache, mask and position updates, and
@@ -17,9 +17,10 @@ import torch._dynamo
 
 from tests.tiny_models import tiny_args, tiny_model
 from tests.torchrun_util import load_tool
-from titan_recur.inference import decode_program, engine
+from titan_recur.inference import decode_program
 from titan_recur.inference.decode_program import batch_bucket, capacity_bucket, program_for, release_programs
-from titan_recur.inference.engine import GenerationOptions, generate, left_pad
+from titan_recur.inference.engine import generate, left_pad
+from titan_recur.inference.options import GenerationOptions
 from titan_recur.inference.sampling import sample_by_uniforms
 from titan_recur.models.blocks import RMSNorm
 from titan_recur.models.model import RecurrentLM
@@ -132,7 +133,7 @@ def test_every_option_on_the_fast_path_equals_eager(model, counter, knobs: dict)
     ids=["greedy", "sampling", "eos"],
 )
 def test_speculative_decoding_on_the_fast_path_equals_eager(model, counter, monkeypatch, knobs: dict) -> None:
-    """Drafts and verifies run as programs (the eager forward serves the prompt only): eager's tokens, logits,
+    """Drafts and verifies run as programs (the model's forward serves the prompt only): eager's tokens, logits,
     acceptance and iterations, left-padded rows with their holes included; another token count in the same
     bucket compiles nothing new."""
     ids, mask = prompts()
@@ -140,8 +141,8 @@ def test_speculative_decoding_on_the_fast_path_equals_eager(model, counter, monk
     eager = generate(model, ids, options, attention_mask=mask, return_logits=True)
     assert eager.speculation is not None and eager.speculation.acceptance_rate < 1  # drafts were rejected
     forwards = []
-    eager_forward = engine._Decoder.forward
-    monkeypatch.setattr(engine._Decoder, "forward", lambda *a, **kw: forwards.append(1) or eager_forward(*a, **kw))
+    model_forward = RecurrentLM.forward
+    monkeypatch.setattr(RecurrentLM, "forward", lambda *a, **kw: forwards.append(1) or model_forward(*a, **kw))
     fast = generate(model, ids, dataclasses.replace(options, compile=True), attention_mask=mask, return_logits=True)
     assert len(forwards) == 1, "drafts or verifies ran through the eager forward"
     assert_same(eager, fast, compare_logits="eos_id" not in knobs)
@@ -246,7 +247,7 @@ def test_buckets_and_the_program_cache(counter) -> None:
     assert [capacity_bucket(n, 512) for n in (1, 128, 129, 500)] == [128, 128, 256, 512]
     assert capacity_bucket(100, 64) == 100  # never less than needed (max_seq_len is checked elsewhere)
     model = build(max_seq_len=512)
-    opts = GenerationOptions(num_steps=2).resolve(model.args)
+    opts = GenerationOptions(num_steps=2, compile=True).resolve(model.args)  # compiled programs are the kept ones
     first = program_for(model, opts, 3, 40)
     assert program_for(model, opts, 4, 100) is first  # same bucket, capacity 128 suffices
     bigger = program_for(model, opts, 3, 129)

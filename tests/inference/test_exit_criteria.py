@@ -44,7 +44,7 @@ def test_the_registry_is_the_one_list_of_criteria() -> None:
 def test_options_take_the_criteria_and_their_defaults_from_the_registry() -> None:
     args = tiny_args(VOCAB, mean_recurrence=4)
     for name, criterion in EXIT_CRITERION_CLASSES.items():
-        assert GenerationOptions(exit_criterion=name).resolve(args).exit_threshold == criterion.default_threshold
+        assert GenerationOptions(exit_criterion=name).resolve(args).exit.threshold == criterion.default_threshold
     with pytest.raises(ValueError, match=f"exit_criterion must be one of {', '.join(EXIT_CRITERIA)}, got 'nope'"):
         GenerationOptions(exit_criterion="nope").resolve(args)
 

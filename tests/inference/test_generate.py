@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from tests.tiny_models import tiny_args, tiny_model
 from tests.torchrun_util import load_tool
 from titan_recur.cli.generate import main as generate_main
-from titan_recur.inference.engine import EXIT_CRITERIA, GenerationOptions, generate, left_pad
+from titan_recur.inference.engine import generate, left_pad
+from titan_recur.inference.exit_criteria import EXIT_CRITERIA
+from titan_recur.inference.options import GenerationOptions
 from titan_recur.models.cache import KVCache
 from titan_recur.models.model import Decoding, RecurrentLM
 from titan_recur.storage.model_io import save_model

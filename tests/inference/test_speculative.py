@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.tiny_models import SMALL, tiny_args, tiny_model
-from titan_recur.inference.engine import GenerationOptions, generate
+from titan_recur.inference.engine import generate
+from titan_recur.inference.options import GenerationOptions
 from titan_recur.models.model import RecurrentLM
 
 VOCAB = 48

@@ -36,8 +36,9 @@ from titan_recur.eval.loading import (
     resolve_device,
 )
 from titan_recur.inference import decode_program
-from titan_recur.inference.engine import GenerationOptions, check_prompts, generate, left_pad
+from titan_recur.inference.engine import check_prompts, generate, left_pad
 from titan_recur.inference.exit_criteria import describe_criteria, describe_default_thresholds
+from titan_recur.inference.options import GenerationOptions, ResolvedOptions
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.cache import core_slots_per_block
 from titan_recur.storage.checkpoint import CheckpointError
@@ -191,7 +192,7 @@ def check_special_ids(tokenizer: Tokenizer, model_args: ModelArgs) -> None:
 
 def check_generation_memory(
     model_args: ModelArgs,
-    options: GenerationOptions,
+    options: ResolvedOptions,
     encoded: list[list[int]],
     batch_size: int,
     dtype: torch.dtype,
@@ -199,7 +200,6 @@ def check_generation_memory(
 ) -> None:
     """The largest batch's KV cache (and its returned logits) with the weights fit the device's free memory."""
     rows = min(batch_size, len(encoded))
-    assert options.num_steps is not None  # resolved by the caller
     prompt = max(len(row) for row in encoded)
     capacity = prompt + options.max_new_tokens
     if options.draft_steps is not None:  # room for each round's block and the rows' rejected drafts
@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mean_steps": sum(sum(r["steps_per_token"]) for r in results) / n_tokens,
         "kv_cache_bytes": cache_bytes,
         "tokens_per_sec": n_tokens / seconds,
-        "settings": {k: v for k, v in vars(options).items() if k not in ("eos_id", "generator")},
+        "settings": {k: v for k, v in options.settings().items() if k not in ("eos_id", "generator")},
     }
     if speculation:
         drafted = sum(int(s.drafted.sum()) for s in speculation)

@@ -27,7 +27,9 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 
 from titan_recur.data.tokenizer import check_vocab, load_tokenizer
 from titan_recur.eval.loading import default_tokenizer_folder, load_checkpoint, resolve_device
-from titan_recur.inference.engine import WARM_START, GenerationOptions, GenerationOutput, generate, left_pad
+from titan_recur.inference.engine import GenerationOutput, generate, left_pad
+from titan_recur.inference.options import GenerationOptions, ResolvedOptions
+from titan_recur.models.args import WARM_START
 from titan_recur.training.validation import check_recurrences
 
 # GenerationOptions fields that are not model_args: each request gives the token budget (max_gen_toks) and
@@ -131,7 +133,7 @@ class TitanRecurLM(TemplateLM):
         self.generation = dataclasses.replace(self.generation, exit_threshold=value)
         self.generation_options(1)
 
-    def generation_options(self, max_new_tokens: int) -> GenerationOptions:
+    def generation_options(self, max_new_tokens: int) -> ResolvedOptions:
         """The engine's options at the current depth (one-line ValueError for a bad knob)."""
         options = dataclasses.replace(
             self.generation, max_new_tokens=max_new_tokens, num_steps=self.num_steps, eos_id=self.eot_token_id

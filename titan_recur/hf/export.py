@@ -53,6 +53,7 @@ INLINED_MODULES = (
     "titan_recur.inference.exit_criteria",
     "titan_recur.inference.sampling",
     "titan_recur.inference.options",
+    "titan_recur.utils.limits",
     "titan_recur.inference.decode_program",
     "titan_recur.inference.engine",
     "titan_recur.hf.modeling_titan_recur",

@@ -32,8 +32,9 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 
-from titan_recur.inference.engine import WARM_START, GenerationOptions, generate
-from titan_recur.models.args import DEFAULT_BACKPROP_DEPTH, ModelArgs
+from titan_recur.inference.engine import generate
+from titan_recur.inference.options import GenerationOptions
+from titan_recur.models.args import DEFAULT_BACKPROP_DEPTH, WARM_START, ModelArgs
 from titan_recur.models.blocks import AttentionContext
 from titan_recur.models.cache import KVCache
 from titan_recur.models.loss import cross_entropy_loss

@@ -1,20 +1,23 @@
-"""The fast decode path: a decoded token as one static-shape program (docs/generation.md, "Fast path").
+"""The decode step: every generated token, compiled or not (docs/generation.md, "The decode step").
 
-Why: at depth r a token is P + r x R + C blocks of small kernels; launched one by one from Python, a
-GPU runs them at a few percent of its memory bandwidth. Here a token's shapes never change: attention
-reads the cache's whole capacity under an additive key mask, and the token, its position, the mask,
-the column it writes and the sampler's draw are device tensors that the program updates in place.
-So its pieces (enter: embed + prelude; runs of core iterations; an exit check; leave: coda + head +
-token choice) compile once, ``fullgraph=True`` (no graph break, hence no host sync inside), per batch
-bucket, capacity and options, and on a GPU a token's pieces are captured as one CUDA graph
-(``torch.cuda.CUDAGraph`` around the compiled pieces) that every token replays: one launch per token.
-Adaptive exit cuts a token into segments at its checks: one graph each and one host sync per check
-(whether any row still runs). The prompt is prefilled by the eager path into the program's cache.
+One ``DecodeProgram`` decodes every token of every path: plain, adaptive exit, warm start, sampling, and
+speculative decoding's drafts and verify. Uncompiled, its pieces run as plain PyTorch (the CPU default);
+compiled (``compile``, the GPU default), the same functions are compiled and, on a GPU, captured as one
+CUDA graph per token segment. So the code every CPU test runs is the code a GPU runs.
 
-Why pieces and not one compiled token: a graph that unrolls r iterations compiles for minutes at
-r = 32; a captured CUDA graph of the pieces launches as one, whatever r is, and compiles the core
-iteration once (``iterations_per_call`` of them per piece: on a CPU, where nothing is captured, more per
-piece means fewer calls per token).
+Why static shapes: at depth r a token is P + r x R + C blocks of small kernels; launched one by one from
+Python, a GPU runs them at a few percent of its memory bandwidth. Here a token's shapes never change:
+attention reads the cache's whole capacity under an additive key mask, and the token, its position, the
+mask, the column it writes and the sampler's draw are device tensors updated in place. So its pieces
+(enter: embed + prelude; runs of core iterations; an exit check; leave: coda + head + token choice)
+compile once, ``fullgraph=True`` (no graph break, hence no host sync inside), per batch bucket, capacity
+and options. Adaptive exit cuts a token into segments at its checks: one host sync per check (whether any
+row still runs). The prompt is one forward of the model itself (``RecurrentLM.forward``) into the cache.
+
+Why pieces and not one compiled token: a graph that unrolls r iterations compiles for minutes at r = 32;
+a captured CUDA graph of the pieces launches as one, whatever r is, and compiles the core iteration once
+(``iterations_per_call`` of them per piece: on a CPU, where nothing is captured, more per piece means
+fewer calls per token).
 """
 
 from __future__ import annotations
@@ -34,16 +37,17 @@ from weakref import WeakKeyDictionary
 import torch
 
 from titan_recur.inference.exit_criteria import ExitCriterion
-from titan_recur.inference.options import GenerationOptions
+from titan_recur.inference.options import ExitRule, ResolvedOptions
 from titan_recur.inference.sampling import choose_tokens
 from titan_recur.models.args import WARM_START
 from titan_recur.models.blocks import AttentionContext
 from titan_recur.models.cache import KVCache
-from titan_recur.models.model import RecurrentCore, RecurrentLM, iteration_contexts
+from titan_recur.models.model import Decoding, RecurrentCore, RecurrentLM, iteration_contexts, positions_from_mask
 from titan_recur.models.rope import rope_cos_sin
+from titan_recur.utils.limits import check_allocation
 
 LOG = logging.getLogger(__name__)
-# Batch rows a program is built for: a batch is padded up to the next bucket with rows nobody reads.
+# Batch rows a compiled program is built for: a batch is padded up to the next bucket with rows nobody reads.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # Cache columns are allocated in multiples of this (capped at max_seq_len), so prompts and token counts
 # of similar size share a program.
@@ -76,9 +80,9 @@ def decode_compile_options(device: torch.device) -> dict[str, Any]:
 
 
 def default_iterations_per_call(device: torch.device) -> int:
-    """Core iterations per compiled piece when the options leave it open: 1 on a GPU (the CUDA graph
-    launches the token as one whatever the piece count, and one iteration compiles fastest), 8 on a CPU
-    (each call costs guards and a wrapper, so fewer calls per token)."""
+    """Core iterations per piece when the options leave it open: 1 on a GPU (the CUDA graph launches the
+    token as one whatever the piece count, and one iteration compiles fastest), 8 on a CPU (each call costs
+    guards and a wrapper, so fewer calls per token)."""
     return 1 if torch.device(device).type == "cuda" else 8
 
 
@@ -90,6 +94,14 @@ def _own_copy(fn: Callable[..., None]) -> Callable[..., None]:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+def _compiler(compiled: bool, device: torch.device) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """How a program makes its pieces: compiled (one graph each, its own copy), or the functions themselves."""
+    if not compiled:
+        return lambda fn: fn
+    options = decode_compile_options(device)
+    return lambda fn: torch.compile(_own_copy(fn), fullgraph=True, dynamic=False, options=options)
+
+
 def run_core_piece(
     core: RecurrentCore,
     state: torch.Tensor,
@@ -97,26 +109,64 @@ def run_core_piece(
     contexts: tuple[AttentionContext, ...],
     active: torch.Tensor | None,
 ) -> None:
-    """``len(contexts)`` core iterations of the token, the state updated in place: a compiled piece.
-    Iteration indices never enter it, only same-shaped cache views, so one graph serves every run of
-    that length."""
+    """``len(contexts)`` core iterations of the token, the state updated in place: a piece. Iteration
+    indices never enter it, only same-shaped cache views, so one graph serves every run of that length."""
     state.copy_(core.iterate(state, injected, contexts, active))
 
 
+@dataclass
+class AdaptiveExit:
+    """A program's adaptive-exit buffers: the rows still iterating, the cache's row mask while the step runs,
+    each row's logits of its exit check, and the criterion's memory of the previous check."""
+
+    rule: ExitRule
+    criterion: ExitCriterion
+    active: torch.Tensor
+    write_rows: torch.Tensor
+    kept_logits: torch.Tensor
+
+    @classmethod
+    def allocate(cls, rule: ExitRule, state: torch.Tensor, vocab_size: int) -> AdaptiveExit:
+        rows = state.shape[0]
+        flags = functools.partial(torch.zeros, rows, dtype=torch.bool, device=state.device)
+        return cls(
+            rule=rule,
+            criterion=ExitCriterion.create(rule.criterion, rule.threshold, state, vocab_size),
+            active=flags(),
+            write_rows=flags(),
+            kept_logits=state.new_zeros(rows, 1, vocab_size),
+        )
+
+
+class _LastCoreState:
+    """``on_hidden_state`` keeping the state after the last core iteration at the last position: the warm
+    start of the first decoded token (the hidden states come as embeddings, prelude blocks, iterations)."""
+
+    def __init__(self, index: int) -> None:
+        self.index, self.seen = index, 0
+        self.state: torch.Tensor | None = None
+
+    def __call__(self, hidden: torch.Tensor) -> None:
+        if self.seen == self.index:
+            self.state = hidden[:, -1:]
+        self.seen += 1
+
+
 class DecodeProgram:
-    """One (batch bucket, capacity, options) of static decoding: its cache, its static buffers, its
-    compiled pieces and, on a GPU, its captured graphs. ``prefill`` starts a generation (``resume``
-    continues one from given tokens), ``step`` decodes one token; ``warmup_seconds`` is what building it
-    took (compiles and captures). ``width`` tokens per forward and a ``cache`` of another program serve
-    speculative decoding's verify (``VerifyProgram``)."""
+    """One (rows, capacity, options) of decoding: its cache, its static buffers, its pieces (compiled or not)
+    and, compiled on a GPU, its captured graphs. ``prefill`` starts a generation (``resume`` continues one
+    from given tokens), ``step`` decodes one token; ``warmup_seconds`` is what building it took (compiles
+    and captures). ``width`` tokens per forward and a ``cache`` of another program serve speculative
+    decoding's verify (``VerifyProgram``)."""
 
     def __init__(
         self,
         model: RecurrentLM,
-        opts: GenerationOptions,
+        opts: ResolvedOptions,
         rows: int,
         capacity: int,
         *,
+        compiled: bool,
         width: int = 1,
         cache: KVCache | None = None,
     ) -> None:
@@ -124,10 +174,8 @@ class DecodeProgram:
         self.model, self.opts, self.rows, self.width = model, opts, rows, width
         args, weight = model.args, model.embed_tokens.weight
         device, dtype = weight.device, weight.dtype
-        self.num_steps = cast(int, opts.num_steps)  # resolved
-        if cache is None:
-            cache = model.new_cache(rows, capacity, self.num_steps, opts.kv_sharing)
-        self.cache = cache
+        self.num_steps = opts.num_steps
+        self.cache = cache if cache is not None else model.new_cache(rows, capacity, opts.num_steps, opts.kv_sharing)
         zeros = functools.partial(torch.zeros, device=device)
         self.token = zeros(rows, width, dtype=torch.long)  # the tokens the next forward reads
         self.position = zeros(rows, width, dtype=torch.long)
@@ -139,7 +187,7 @@ class DecodeProgram:
         self.uniforms = zeros(capacity, rows)  # the sampler's draw for each new token
         self.finished = zeros(rows, dtype=torch.bool)
         self.lengths = zeros(rows, dtype=torch.long)
-        leave, self.logits = self._leave_and_logits()
+        self.logits = self._logits_buffer()
         self.steps = zeros(rows, dtype=torch.long)  # iterations of the latest forward
         self.head_calls = zeros(rows, dtype=torch.long)
         self.token_steps = zeros(rows, dtype=torch.long)  # the chosen token's: 0 once its row finished
@@ -147,115 +195,107 @@ class DecodeProgram:
         self.state = zeros(rows, width, args.dim, dtype=dtype)  # the core's state (a static model: the prelude's)
         self.injected = zeros(rows, width, args.dim, dtype=dtype)
         self.warm_start = opts.state_init == WARM_START and model.core is not None
-        self.state_init = args.eval_state_init if opts.state_init == WARM_START else cast(str, opts.state_init)
+        self.state_init = args.eval_state_init if opts.state_init == WARM_START else opts.state_init
         self.inv_freq = model.rope_inv_freq(device)
         rope = zeros(rows, width, args.head_dim, dtype=dtype)
         self.ctx = AttentionContext(cos=rope, sin=rope.clone(), mask=self.key_bias, cache=self.cache)
         self.contexts = iteration_contexts(self.ctx, 0, self.num_steps) if model.core is not None else ()
-        self.adaptive = opts.exit_criterion is not None
-        self.criterion: ExitCriterion | None = None
-        self.active = self.write_rows = None
-        if self.adaptive:
-            self.active = zeros(rows, dtype=torch.bool)
-            self.write_rows = zeros(rows, dtype=torch.bool)  # the cache's row mask while the program runs
-            self.kept_logits = zeros(rows, 1, args.vocab_size, dtype=dtype)  # logits of each row's exit check
-            self.criterion = ExitCriterion.create(
-                cast(str, opts.exit_criterion), cast(float, opts.exit_threshold), self.state, args.vocab_size
-            )
-        per_call = opts.iterations_per_call or default_iterations_per_call(device)
-        compile_ = functools.partial(
-            torch.compile, fullgraph=True, dynamic=False, options=decode_compile_options(device)
-        )
-        self._enter, self._check, self._leave = (
-            compile_(_own_copy(_decode_enter)),
-            compile_(_own_copy(_decode_check)),
-            compile_(_own_copy(leave)),
-        )
-        self._core_piece = compile_(_own_copy(run_core_piece))
-        self.segments = self._segments(per_call)
+        self.exit = None if opts.exit is None else AdaptiveExit.allocate(opts.exit, self.state, args.vocab_size)
+        self.compiled = compiled
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        self._warm_up()
+        self._build_segments(compiled)
+        if compiled:
+            self._warm_up()
         self.warmup_seconds = time.perf_counter() - start
 
     def describe(self) -> str:
         """What the program was built for, in one line."""
         opts = self.opts
-        exit_ = f", exit {opts.exit_criterion}" if self.adaptive else ""
-        graphs = f"{len(self.graphs)} CUDA graph(s)" if self.graphs else "no CUDA graph (CPU)"
+        exit_ = f", exit {opts.exit.criterion}" if opts.exit is not None else ""
+        if not self.compiled:
+            how = "uncompiled"
+        else:
+            how = f"compiled, {len(self.graphs)} CUDA graph(s)" if self.graphs else "compiled, no CUDA graph"
         width = f", {self.width} tokens per forward" if self.width > 1 else ""
         return (
-            f"batch bucket {self.rows}, cache capacity {self.cache.capacity}, r = {self.num_steps}, kv {opts.kv_sharing}"
-            f"{exit_}{width}, {len(self.segments)} segment(s), {graphs}"
+            f"batch rows {self.rows}, cache capacity {self.cache.capacity}, r = {self.num_steps}, kv {opts.kv_sharing}"
+            f"{exit_}{width}, {len(self.segments)} segment(s), {how}"
         )
 
-    def _leave_and_logits(self) -> tuple[Callable[[DecodeProgram], None], torch.Tensor]:
-        """The last piece of a forward and the logits it fills: the chosen token's, fp32 (rows, V)."""
-        return _decode_leave, torch.zeros(self.rows, self.model.args.vocab_size, device=self.token.device)
+    def _logits_buffer(self) -> torch.Tensor:
+        """What the last piece fills: the chosen token's logits, fp32 (rows, V)."""
+        return torch.zeros(self.rows, self.model.args.vocab_size, device=self.token.device)
+
+    def _leave_piece(self) -> Callable[[DecodeProgram], None]:
+        return _decode_leave
 
     # --- building ---------------------------------------------------------------------------------
 
-    def _segments(self, per_call: int) -> list[list[Callable[[], None]]]:
-        """A token as segments of calls with no host sync inside: fixed depth is one segment; adaptive
-        exit ends a segment at every check, then runs the rest of the iterations, then leaves (the last
-        segment, which a token whose rows all exited jumps to)."""
-        calls: list[Callable[[], None]] = [functools.partial(self._enter, self)]
+    def _build_segments(self, compiled: bool) -> None:
+        """A token as segments of calls with no host sync inside: fixed depth is one segment; adaptive exit
+        ends a segment at every check, then runs the rest of the iterations, then leaves (the last segment,
+        which a token whose rows all exited jumps to)."""
+        make = _compiler(compiled, self.token.device)
+        enter, check, leave, core_piece = (
+            make(_decode_enter),
+            make(_decode_check),
+            make(self._leave_piece()),
+            make(run_core_piece),
+        )
+        per_call = self.opts.iterations_per_call or default_iterations_per_call(self.token.device)
+        calls: list[Callable[[], None]] = [functools.partial(enter, self)]
+        self.segments: list[list[Callable[[], None]]]
         if self.model.core is None:
-            return [[*calls, functools.partial(self._leave, self)]]
-        if not self.adaptive:
-            return [[*calls, *self._runs(0, self.num_steps, per_call), functools.partial(self._leave, self)]]
+            self.segments = [[*calls, functools.partial(leave, self)]]
+            return
+        runs = functools.partial(self._runs, core_piece, per_call)
+        if self.exit is None:
+            self.segments = [[*calls, *runs(0, self.num_steps), functools.partial(leave, self)]]
+            return
         segments: list[list[Callable[[], None]]] = []
         done = 0
         while done < self.num_steps:
-            check = self.opts.next_check(done)
-            calls += self._runs(done, check, per_call)
-            calls.append(functools.partial(self._count, check - done))
-            if check < self.num_steps:  # the first check keeps every row's logits, later ones the active rows'
-                calls.append(functools.partial(self._check, self, not segments))
+            check_at = self.exit.rule.next_check(done, self.num_steps)
+            calls += runs(done, check_at)
+            calls.append(functools.partial(self._count, check_at - done))
+            if check_at < self.num_steps:  # the first check keeps every row's logits, later ones the active rows'
+                calls.append(functools.partial(check, self, not segments))
             segments.append(calls)
-            calls, done = [], check
-        return [*segments, [functools.partial(self._leave, self)]]
+            calls, done = [], check_at
+        self.segments = [*segments, [functools.partial(leave, self)]]
 
-    def _runs(self, start: int, stop: int, per_call: int) -> list[Callable[[], None]]:
+    def _runs(self, core_piece: Callable[..., None], per_call: int, start: int, stop: int) -> list[Callable[[], None]]:
         """Iterations start .. stop - 1 in pieces of at most ``per_call``."""
-        core = cast(RecurrentCore, self.model.core)
+        core = cast(RecurrentCore, self.model.core)  # a program runs iterations only where there is a core
+        active = None if self.exit is None else self.exit.active
         return [
             functools.partial(
-                self._core_piece,
-                core,
-                self.state,
-                self.injected,
-                self.contexts[i : min(i + per_call, stop)],
-                self.active,
+                core_piece, core, self.state, self.injected, self.contexts[i : min(i + per_call, stop)], active
             )
             for i in range(start, stop, per_call)
         ]
 
     def _count(self, iterations: int) -> None:
         """Adaptive exit: the rows still active ran ``iterations`` more (a captured op, not a compiled one)."""
-        self.steps.add_(cast(torch.Tensor, self.active), alpha=iterations)
+        self.steps.add_(cast(AdaptiveExit, self.exit).active, alpha=iterations)
 
     @torch.no_grad()
     def _warm_up(self) -> None:
-        """Run every segment once on an empty cache (compiling each piece) and, on a GPU, capture each
-        segment as a CUDA graph. Nothing of it survives ``prefill``, which resets every buffer it read."""
-        self.cache.pin(self.column, self.write_rows)
+        """Run every segment once on an empty cache (compiling each piece) and, on a GPU, capture each segment
+        as a CUDA graph; a capture that fails leaves the program uncompiled, with one warning. Nothing of it
+        survives ``prefill``, which resets every buffer it read."""
+        self._pin()
         self.key_bias.fill_(-math.inf)
         if self.key_bias.device.type != "cuda":
             for segment in self.segments:
                 _run_decode_calls(segment)
             return
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for segment in self.segments:
-                _run_decode_calls(segment)
-        torch.cuda.current_stream().wait_stream(stream)
-        pool = torch.cuda.graph_pool_handle()
-        for segment in self.segments:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                _run_decode_calls(segment)
-            self.graphs.append(graph)
+        try:
+            self.graphs = _capture_graphs(self.segments)
+        except RuntimeError as err:
+            LOG.warning("CUDA graph capture failed (%s); this program decodes uncompiled", str(err).splitlines()[0])
+            self.graphs, self.compiled = [], False
+            self._build_segments(compiled=False)
 
     # --- running ----------------------------------------------------------------------------------
 
@@ -265,23 +305,32 @@ class DecodeProgram:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         uniforms: torch.Tensor | None,
-        forward: Callable[[KVCache, torch.Tensor, torch.Tensor, torch.Tensor], Any],
+        num_steps: int | None = None,
     ) -> None:
-        """Start a generation: the rows' left-padded prompts (B <= rows) through ``forward`` (the eager
-        path: cache, ids, positions, key mask -> a step with logits, state, steps, head_calls), then the
-        first token chosen. Rows past B are padding: one token, finished from the start."""
+        """Start a generation: the rows' left-padded prompts (B <= rows) in one forward of the model into the
+        cache at ``num_steps`` (default the program's), then the first token chosen. Rows past B are padding:
+        one token, finished from the start."""
         bsz, width = input_ids.shape
         rows, device = self.rows, input_ids.device
+        depth = self.num_steps if num_steps is None else num_steps
         ids = torch.zeros(rows, width, dtype=torch.long, device=device)
         ids[:bsz] = input_ids
         mask = torch.zeros(rows, width, dtype=torch.bool, device=device)
         mask[:bsz], mask[bsz:, -1] = attention_mask.bool(), True
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        positions = positions_from_mask(mask)
         keys = torch.zeros(rows, self.cache.capacity, dtype=torch.bool, device=device)
         keys[:, :width] = mask
         self.cache.reset()
-        step = forward(self.cache, ids, positions, keys)
-        self.cache.pin(self.column, self.write_rows)
+        last_state = _LastCoreState(self.model.args.n_prelude + depth)
+        logits = self.model(
+            ids,
+            depth,
+            attention_mask=keys,
+            state_init=self.state_init,
+            on_hidden_state=last_state if self.warm_start else None,
+            decoding=Decoding(cache=self.cache, position_ids=positions, head_positions=1),
+        )
+        self._pin()
         self.key_bias.fill_(-math.inf).masked_fill_(keys[:, None, None, :], 0.0)
         self.position.copy_(positions[:, -1:])
         self.column.fill_(width - 1)
@@ -293,20 +342,20 @@ class DecodeProgram:
         self.finished[bsz:] = True
         self.lengths.zero_()
         if self.warm_start:
-            self.state.copy_(step.state[:, -1:])
-        self.steps.copy_(step.steps)
-        self.head_calls.copy_(step.head_calls)
-        _decode_choose(self, step.logits[:, -1:])
+            self.state.copy_(cast(torch.Tensor, last_state.state))
+        self.steps.fill_(depth if self.model.core is not None else 0)
+        self.head_calls.fill_(1)
+        _decode_choose(self, logits)
 
     @torch.no_grad()
     def step(self) -> None:
-        """Decode one token: the forward of ``self.token`` and the choice of the next. Adaptive exit
-        reads after each check whether a row still runs (the one host sync), else leaves at once."""
-        self.cache.pin(self.column, self.write_rows)  # a cache shared with another program writes here now
+        """Decode one token: the forward of ``self.token`` and the choice of the next. Adaptive exit reads
+        after each check whether a row still runs (the one host sync), else leaves at once."""
+        self._pin()  # a cache shared with another program writes here now
         leave = len(self.segments) - 1
         for index in range(leave):
             self._run_segment(index)
-            if self.adaptive and index < leave - 1 and not bool(cast(torch.Tensor, self.active).any()):
+            if self.exit is not None and index < leave - 1 and not bool(self.exit.active.any()):
                 break
         self._run_segment(leave)
 
@@ -319,10 +368,10 @@ class DecodeProgram:
         keys: torch.Tensor,
         uniforms: torch.Tensor | None = None,
     ) -> None:
-        """Continue a generation in this program's cache (speculative decoding's drafts and verify): the
-        next forward reads ``tokens`` at ``positions`` (B, n <= width) and writes columns start ..
-        start + width - 1; row b sees the columns before ``start`` where ``keys[b]`` is True (a hole where
-        not) and ``uniforms`` (n_tokens, B) are the draws of the next tokens it chooses."""
+        """Continue a generation in this program's cache (speculative decoding's drafts and verify): the next
+        forward reads ``tokens`` at ``positions`` (B, n <= width) and writes columns start .. start + width - 1;
+        row b sees the columns before ``start`` where ``keys[b]`` is True (a hole where not) and ``uniforms``
+        (n_tokens, B) are the draws of the next tokens it chooses."""
         bsz, n = tokens.shape
         self.token[:bsz, :n] = tokens
         self.position[:bsz, :n] = positions
@@ -331,6 +380,9 @@ class DecodeProgram:
         self.counter.zero_()
         if uniforms is not None:
             self.uniforms[: uniforms.shape[0], :bsz] = uniforms
+
+    def _pin(self) -> None:
+        self.cache.pin(self.column, None if self.exit is None else self.exit.write_rows)
 
     def _run_segment(self, index: int) -> None:
         if self.graphs:
@@ -344,13 +396,31 @@ def _run_decode_calls(calls: list[Callable[[], None]]) -> None:
         call()
 
 
+def _capture_graphs(segments: list[list[Callable[[], None]]]) -> list[torch.cuda.CUDAGraph]:
+    """Each segment (already run once, so compiled) captured as a CUDA graph, after a warm-up on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for segment in segments:
+            _run_decode_calls(segment)
+    torch.cuda.current_stream().wait_stream(stream)
+    pool = torch.cuda.graph_pool_handle()
+    graphs = []
+    for segment in segments:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            _run_decode_calls(segment)
+        graphs.append(graph)
+    return graphs
+
+
 def _decode_enter(p: DecodeProgram) -> None:
-    """Embed and prelude of ``p.token``; the core's injection and initial state (a compiled piece)."""
+    """Embed and prelude of ``p.token``; the core's injection and initial state (a piece)."""
     model = p.model
     # The forward's own columns, written now and seen from now on (each token sees itself and those before).
     p.key_bias.index_copy_(-1, p.column, p.block_bias.expand(p.rows, 1, p.width, p.width))
-    if p.adaptive:  # prelude writes are every row's; the core's only the active rows'
-        cast(torch.Tensor, p.write_rows).fill_(True)
+    if p.exit is not None:  # prelude writes are every row's; the core's only the active rows'
+        p.exit.write_rows.fill_(True)
     cos, sin = rope_cos_sin(p.position, p.inv_freq, p.key_bias.dtype)
     p.ctx.cos.copy_(cos)
     p.ctx.sin.copy_(sin)
@@ -361,56 +431,57 @@ def _decode_enter(p: DecodeProgram) -> None:
     p.injected.copy_(model.core.inject(x))
     if not p.warm_start:
         p.state.copy_(model.core.initial_state(x, p.state_init))
-    if p.adaptive:
-        active = cast(torch.Tensor, p.active)
-        active.copy_(~p.finished)
-        cast(torch.Tensor, p.write_rows).copy_(active)
+    if p.exit is not None:
+        p.exit.active.copy_(~p.finished)
+        p.exit.write_rows.copy_(p.exit.active)
         p.steps.zero_()
         p.head_calls.zero_()
-        cast(ExitCriterion, p.criterion).reset(p.state)
+        p.exit.criterion.reset(p.state)
 
 
 def _decode_check(p: DecodeProgram, first: bool) -> None:
-    """An exit check (adaptive depth), as the eager engine's: the criterion of each active row, the
-    logits of the check kept per row, and the rows that exit frozen (a compiled piece)."""
-    model, criterion = p.model, cast(ExitCriterion, p.criterion)
-    active = cast(torch.Tensor, p.active)
+    """An exit check (adaptive depth): the criterion of each active row, the logits of the check kept per
+    row, and the rows that exit frozen: their state and K/V stay those of their last iteration (a piece)."""
+    model, exit_ = p.model, cast(AdaptiveExit, p.exit)
     logits = None
-    if criterion.needs_logits:
+    if exit_.criterion.needs_logits:
         check_logits = model.head(model.coda_and_norm(p.state, p.ctx))
-        p.head_calls.add_(active)
-        kept = check_logits if first else torch.where(active[:, None, None], check_logits, p.kept_logits)
-        p.kept_logits.copy_(kept)
+        p.head_calls.add_(exit_.active)
+        kept = check_logits if first else torch.where(exit_.active[:, None, None], check_logits, exit_.kept_logits)
+        exit_.kept_logits.copy_(kept)
         logits = check_logits[:, -1]
-    active.copy_(active & ~criterion.exits(p.state, logits))
-    cast(torch.Tensor, p.write_rows).copy_(active)
+    exit_.active.copy_(exit_.active & ~exit_.criterion.exits(p.state, logits))
+    exit_.write_rows.copy_(exit_.active)
 
 
 def _decode_leave(p: DecodeProgram) -> None:
-    """Coda, head and the choice of the next token (a compiled piece)."""
+    """Coda, head and the choice of the next token (a piece)."""
     model = p.model
-    if not p.adaptive:  # every row ran the fixed depth (a static model: no iteration)
+    if p.exit is None:  # every row ran the fixed depth (a static model: no iteration)
         p.steps.fill_(0 if model.core is None else p.num_steps)
         p.head_calls.fill_(1)
         _decode_choose(p, model.head(model.coda_and_norm(p.state, p.ctx)))
         return
-    criterion = cast(ExitCriterion, p.criterion)
+    exit_ = p.exit
     running = ~p.finished
-    coda_rows = cast(torch.Tensor, p.active) if criterion.needs_logits else running
+    # Rows without final logits: those still running, or (latent-diff) every row; the coda of a frozen state
+    # is the coda of the row's last iteration.
+    coda_rows = exit_.active if exit_.criterion.needs_logits else running
     p.head_calls.add_(coda_rows)
-    # Slots a running row did not reach hold its last K/V (KVCache.fill_skipped), as eager decoding
-    # leaves them; where no running row stopped short, nothing is copied (steps of n copy nothing).
+    # Slots a running row did not reach hold its last K/V (KVCache.fill_skipped); where no running row
+    # stopped short, nothing is copied (steps of n copy nothing).
     slots = p.cache.slots_per_block
     short = (running & (p.steps < slots)).any()
     p.cache.fill_skipped(torch.where(short, p.steps, torch.full_like(p.steps, slots)))
-    cast(torch.Tensor, p.write_rows).copy_(coda_rows)
+    exit_.write_rows.copy_(coda_rows)
     final = model.head(model.coda_and_norm(p.state, p.ctx))
-    _decode_choose(p, torch.where(coda_rows[:, None, None], final, p.kept_logits) if criterion.needs_logits else final)
+    needs_logits = exit_.criterion.needs_logits
+    _decode_choose(p, torch.where(coda_rows[:, None, None], final, exit_.kept_logits) if needs_logits else final)
 
 
 def _decode_choose(p: DecodeProgram, logits: torch.Tensor) -> None:
-    """The next token from the forward's (rows, 1, V) logits, as the eager engine chooses it (EOS once
-    finished, lengths counted); then the write head moves one column on."""
+    """The next token from the forward's (rows, 1, V) logits (EOS once finished, lengths counted, each token's
+    iterations and head calls, 0 once its row finished); then the write head moves one column on."""
     opts = p.opts
     last = logits[:, -1]
     p.logits.copy_(last.float())
@@ -430,27 +501,37 @@ def _decode_choose(p: DecodeProgram, logits: torch.Tensor) -> None:
 
 
 def _verify_leave(p: DecodeProgram) -> None:
-    """Coda and head of every position of a verified block: its logits (a compiled piece)."""
+    """Coda and head of every position of a verified block: its logits (a piece)."""
     p.logits.copy_(p.model.head(p.model.coda_and_norm(p.state, p.ctx)))
 
 
 class VerifyProgram(DecodeProgram):
-    """Speculative decoding's verify on the fast path: a block of lookahead + 1 tokens (the last chosen
-    one and its drafts; fewer fill the front) at depth r, through the draft program's cache, leaving the
-    logits of every position (model dtype, as the eager verify's) for the acceptance rule."""
+    """Speculative decoding's verify: a block of lookahead + 1 tokens (the last chosen one and its drafts;
+    fewer fill the front) at depth r, through the draft program's cache, leaving the logits of every position
+    (model dtype) for the acceptance rule."""
 
-    def __init__(self, model: RecurrentLM, opts: GenerationOptions, draft: DecodeProgram) -> None:
-        super().__init__(model, opts, draft.rows, draft.cache.capacity, width=opts.lookahead + 1, cache=draft.cache)
+    def __init__(self, model: RecurrentLM, opts: ResolvedOptions, draft: DecodeProgram) -> None:
+        super().__init__(
+            model,
+            opts,
+            draft.rows,
+            draft.cache.capacity,
+            compiled=draft.compiled,
+            width=opts.lookahead + 1,
+            cache=draft.cache,
+        )
 
-    def _leave_and_logits(self) -> tuple[Callable[[DecodeProgram], None], torch.Tensor]:
-        weight = self.model.embed_tokens.weight
-        return _verify_leave, weight.new_zeros(self.rows, self.width, self.model.args.vocab_size)
+    def _logits_buffer(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight.new_zeros(self.rows, self.width, self.model.args.vocab_size)
+
+    def _leave_piece(self) -> Callable[[DecodeProgram], None]:
+        return _verify_leave
 
 
 @dataclass
 class SpeculativePrograms:
-    """Speculative decoding on the fast path: drafts decode token by token at draft_steps and the verify
-    runs a block at num_steps, both in one cache (r slots per core block)."""
+    """Speculative decoding: drafts decode token by token at draft_steps and the verify runs a block at
+    num_steps, both in one cache (r slots per core block)."""
 
     draft: DecodeProgram
     verify: VerifyProgram
@@ -467,10 +548,10 @@ class SpeculativePrograms:
         return f"drafts: {self.draft.describe()}; verify: {self.verify.describe()}"
 
 
-def speculative_columns(prompt_width: int, opts: GenerationOptions, batch_size: int) -> int:
-    """Cache columns a speculative generation may write: a round writes lookahead + 1 columns and keeps
-    as many as its most accepting row, so rows that accepted fewer leave holes. One row has none (its
-    columns are its tokens); several rows may spend lookahead + 1 columns per new token."""
+def speculative_columns(prompt_width: int, opts: ResolvedOptions, batch_size: int) -> int:
+    """Cache columns a speculative generation may write: a round writes lookahead + 1 columns and keeps as
+    many as its most accepting row, so rows that accepted fewer leave holes. One row has none (its columns
+    are its tokens); several rows may spend lookahead + 1 columns per new token."""
     block = opts.lookahead + 1
     if batch_size == 1:
         return prompt_width + opts.max_new_tokens + block - 1
@@ -481,22 +562,29 @@ _Program = TypeVar("_Program", DecodeProgram, SpeculativePrograms)
 _DECODE_PROGRAMS: WeakKeyDictionary[RecurrentLM, OrderedDict[tuple[Any, ...], Any]] = WeakKeyDictionary()
 
 
-def program_for(model: RecurrentLM, opts: GenerationOptions, batch_size: int, columns: int) -> DecodeProgram:
-    """The model's program for a batch of ``batch_size`` rows needing ``columns`` cache columns at
-    ``opts``, built if none fits (logged with its warm-up seconds): one per (bucket, graph options),
-    kept while its capacity suffices; at most MAX_PROGRAMS per model, the least recently used dropped."""
-    return _cached_program(model, opts, batch_size, columns, None, functools.partial(DecodeProgram, model, opts))
+def program_for(model: RecurrentLM, opts: ResolvedOptions, batch_size: int, columns: int) -> DecodeProgram:
+    """The model's program for a batch of ``batch_size`` rows needing ``columns`` cache columns at ``opts``,
+    built if none fits (logged with its warm-up seconds): one per (rows, graph options), kept while its
+    capacity suffices; at most MAX_PROGRAMS per model, the least recently used dropped."""
+
+    def build(rows: int, capacity: int, compiled: bool) -> DecodeProgram:
+        return DecodeProgram(model, opts, rows, capacity, compiled=compiled)
+
+    return _cached_program(model, opts, batch_size, columns, None, build)
 
 
 def speculative_programs_for(
-    model: RecurrentLM, opts: GenerationOptions, batch_size: int, columns: int
+    model: RecurrentLM, opts: ResolvedOptions, batch_size: int, columns: int
 ) -> SpeculativePrograms:
     """``program_for`` of speculative decoding (``opts.draft_steps`` set): the draft and verify programs."""
+    draft_steps = opts.draft_steps
+    if draft_steps is None:
+        raise ValueError("speculative decoding needs draft_steps")
 
-    def build(rows: int, capacity: int) -> SpeculativePrograms:
-        draft_opts = dataclasses.replace(opts, num_steps=opts.draft_steps, eos_id=None)  # drafts go on past an EOS
-        cache = model.new_cache(rows, capacity, cast(int, opts.num_steps), opts.kv_sharing)
-        draft = DecodeProgram(model, draft_opts, rows, capacity, cache=cache)
+    def build(rows: int, capacity: int, compiled: bool) -> SpeculativePrograms:
+        draft_opts = dataclasses.replace(opts, num_steps=draft_steps, eos_id=None)  # drafts go on past an EOS
+        cache = model.new_cache(rows, capacity, opts.num_steps, opts.kv_sharing)
+        draft = DecodeProgram(model, draft_opts, rows, capacity, compiled=compiled, cache=cache)
         return SpeculativePrograms(draft, VerifyProgram(model, opts, draft))
 
     return _cached_program(model, opts, batch_size, columns, (opts.draft_steps, opts.lookahead), build)
@@ -504,15 +592,22 @@ def speculative_programs_for(
 
 def _cached_program(
     model: RecurrentLM,
-    opts: GenerationOptions,
+    opts: ResolvedOptions,
     batch_size: int,
     columns: int,
     kind: Any,
-    build: Callable[[int, int], _Program],
+    build: Callable[[int, int, bool], _Program],
 ) -> _Program:
+    """A compiled program pads its batch to a bucket and its columns to a multiple of CAPACITY_STEP, so that
+    similar batches share its graphs, and is kept; an uncompiled one is built for the batch as it is (cheap:
+    its cache is freed with it, as a generation's own)."""
+    device = model.embed_tokens.weight.device
+    if not opts.compiled_on(device):
+        check_cache_fits(model, opts, batch_size, columns)
+        return build(batch_size, columns, False)
     programs = _DECODE_PROGRAMS.setdefault(model, OrderedDict())
     rows = batch_bucket(batch_size)
-    graph_options = tuple(getattr(opts, name) for name in opts.__dataclass_fields__ if name not in RUN_ONLY_OPTIONS)
+    graph_options = tuple(getattr(opts, f.name) for f in dataclasses.fields(opts) if f.name not in RUN_ONLY_OPTIONS)
     # Where the weights live: a captured graph reads them there, so a model moved or cast since needs new programs.
     weights = tuple(p.data_ptr() for p in model.parameters())
     for stale in [k for k in programs if k[0] != weights]:
@@ -521,13 +616,28 @@ def _cached_program(
     program = programs.get(key)
     if program is None or program.cache.capacity < columns:
         programs.pop(key, None)  # its cache is freed before the larger one is allocated
-        program = build(rows, capacity_bucket(columns, model.args.max_seq_len))
-        programs[key] = program
-        while len(programs) > MAX_PROGRAMS:
+        while len(programs) >= MAX_PROGRAMS:  # and the least recently used, to make room
             programs.popitem(last=False)
+        capacity = capacity_bucket(columns, model.args.max_seq_len)
+        check_cache_fits(model, opts, rows, capacity)
+        program = build(rows, capacity, True)
+        programs[key] = program
         LOG.info("decode program built in %.1f s: %s", program.warmup_seconds, program.describe())
     programs.move_to_end(key)
     return cast(_Program, program)
+
+
+def check_cache_fits(model: RecurrentLM, opts: ResolvedOptions, rows: int, capacity: int) -> None:
+    """One line before allocating a KV cache the device cannot hold: 64 rows of 2k columns at r = 32 with
+    "full" sharing is tens of GiB for a 1B model."""
+    weight = model.embed_tokens.weight
+    needed = KVCache.planned_bytes(model.args, rows, capacity, opts.num_steps, opts.kv_sharing, weight.element_size())
+    check_allocation(
+        needed,
+        weight.device,
+        f"the decode KV cache of {rows} rows x {capacity} columns at r = {opts.num_steps} (kv_sharing {opts.kv_sharing})",
+        hint="use fewer rows or new tokens, or kv_sharing 'latest' / 'compress-N'",
+    )
 
 
 def release_programs(model: RecurrentLM) -> None:

@@ -72,17 +72,22 @@ class GenerationOptions:
             raise TypeError(f"GenerationOptions has no option {', '.join(map(repr, unknown))}")
         return cls(**{k: v for k, v in {**values, **given}.items() if k in names and v is not None})
 
-    def resolve(self, args: ModelArgs) -> GenerationOptions:
-        """A copy with the model's defaults filled in; a one-line ValueError for any bad knob."""
+    def resolve(self, args: ModelArgs) -> ResolvedOptions:
+        """The options with the model's defaults filled in (``ResolvedOptions``); a one-line ValueError for any
+        bad knob."""
         num_steps = args.mean_recurrence if self.num_steps is None else self.num_steps
         threshold = self.exit_threshold
         if self.exit_criterion is not None and threshold is None:
             threshold = DEFAULT_EXIT_THRESHOLDS.get(self.exit_criterion)
-        resolved = dataclasses.replace(
+        filled = dataclasses.replace(
             self, num_steps=num_steps, exit_threshold=threshold, state_init=self.state_init or args.eval_state_init
         )
-        resolved._check(args)
-        return resolved
+        filled._check(args)
+        exit_rule = None
+        if self.exit_criterion is not None:
+            exit_rule = ExitRule(self.exit_criterion, cast(float, threshold), self.min_steps, self.check_every)
+        values = {f.name: getattr(filled, f.name) for f in dataclasses.fields(ResolvedOptions) if f.name != "exit"}
+        return ResolvedOptions(**values, exit=exit_rule)
 
     def _check(self, args: ModelArgs) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -148,14 +153,66 @@ class GenerationOptions:
                 "positions, which a block verify computes together"
             )
 
+
+@dataclass(frozen=True)
+class ExitRule:
+    """Adaptive exit, resolved: the criterion, its threshold, and where the checks fall."""
+
+    criterion: str
+    threshold: float
+    min_steps: int
+    check_every: int
+
     def is_check(self, iteration: int) -> bool:
         """Whether a token may exit after ``iteration`` (1-based) core iterations."""
         return iteration >= self.min_steps and (iteration - self.min_steps) % self.check_every == 0
 
-    def next_check(self, done: int) -> int:
+    def next_check(self, done: int, num_steps: int) -> int:
         """The iteration count after ``done`` at which the next exit check falls, or num_steps if none does."""
-        num_steps = cast(int, self.num_steps)  # resolved
         return next((i for i in range(done + 1, num_steps) if self.is_check(i)), num_steps)
+
+
+@dataclass(frozen=True)
+class ResolvedOptions:
+    """``GenerationOptions`` after ``resolve``: the depth, the initial state and, with an exit criterion, its
+    threshold are filled in (``exit``: None = every token runs num_steps); what decoding reads."""
+
+    max_new_tokens: int
+    num_steps: int
+    kv_sharing: str
+    exit: ExitRule | None
+    state_init: str
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    generator: torch.Generator | None
+    eos_id: int | None
+    compile: bool | None
+    iterations_per_call: int | None
+    draft_steps: int | None
+    lookahead: int
+
+    def resolve(self, args: ModelArgs) -> ResolvedOptions:
+        """Already resolved (``generate`` takes either kind)."""
+        return self
+
+    def settings(self) -> dict[str, Any]:
+        """The options under GenerationOptions' names, in its order (a report's settings)."""
+        rule = self.exit or ExitRule(None, None, 1, 1)  # type: ignore[arg-type]  # no criterion: no threshold
+        exit_fields = {
+            "exit_criterion": rule.criterion,
+            "exit_threshold": rule.threshold,
+            "min_steps": rule.min_steps,
+            "check_every": rule.check_every,
+        }
+        flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "exit"} | exit_fields
+        return {f.name: flat[f.name] for f in dataclasses.fields(GenerationOptions)}
+
+    def compiled_on(self, device: torch.device) -> bool:
+        """Whether decoding compiles its step: ``compile``, or by default on a GPU only (a CPU's first compile
+        takes a minute)."""
+        return self.compile if self.compile is not None else torch.device(device).type == "cuda"
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import cast
 
@@ -152,35 +151,16 @@ def iteration_contexts(ctx: AttentionContext, start: int, stop: int) -> tuple[At
 
 
 @dataclass
-class CoreResult:
-    """What a decoding core loop hands back: the final state, and, where an exit check already computed
-    a row's logits (adaptive exit), those logits (B, 1, V) and the rows that still need the coda (B,)."""
-
-    state: torch.Tensor
-    logits: torch.Tensor | None = None
-    coda_rows: torch.Tensor | None = None
-
-
-# (core, initial state, injection, context) -> CoreResult: how a decoding forward runs its core.
-CoreLoop = Callable[["RecurrentCore", torch.Tensor, torch.Tensor, AttentionContext], CoreResult]
-
-
-@dataclass
 class Decoding:
-    """The decoding-only inputs of a forward (the generation engine's, HF's generate).
+    """The inputs of a forward through a KV cache (the generation engine's prompt, HF's generate).
 
     cache: the KV cache the forward reads and extends by its T positions (None: no cache).
     position_ids: (B, T) RoPE positions (default: from the attention mask, else past + arange(T)).
-    initial_state: the core's initial state (B, T, d) in place of ``state_init``'s (a warm start).
-    core_loop: runs the core in place of the fixed ``num_steps`` iterations (the engine's compiled
-    pieces, adaptive exit); it gets the initial state and the injection.
     head_positions: logits of the last this many positions only (None: every position).
     """
 
     cache: KVCache | None = None
     position_ids: torch.Tensor | None = None
-    initial_state: torch.Tensor | None = None
-    core_loop: CoreLoop | None = None
     head_positions: int | None = None
 
 
@@ -244,8 +224,9 @@ class RecurrentLM(nn.Module):
     ) -> torch.Tensor:
         """Logits (B, T, V), or with ``labels`` the summed next-token loss (fp32 scalar).
 
-        The one place that knows the order: embed -> prelude -> core iterations -> coda -> norm -> head,
-        for training, evaluation and (through ``decoding``) every decoding step.
+        The one place that composes the order: embed -> prelude -> core iterations -> coda -> norm -> head,
+        for training, evaluation and a prompt's forward into a cache (``decoding``); a decoded token's step
+        (inference/decode_program.py) runs the same pieces on static buffers.
 
         num_steps: (n, k) = n iterations without grad then k with grad (training); an int r = r
         iterations, all without grad (evaluation) unless the model is in train mode with grad enabled,
@@ -263,8 +244,7 @@ class RecurrentLM(nn.Module):
         prelude block's output, the state after each core iteration, each coda block's output and the
         final norm's output (what the head reads), 2 + P + r + C calls. A callable, not a list, so that
         hooks that move a module's arguments between devices (accelerate's) pass it through unchanged.
-        decoding: the cache, positions, initial state, core loop and head positions of a decoding step
-        (``Decoding``).
+        decoding: the KV cache, positions and head positions of a forward through a cache (``Decoding``).
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
@@ -272,50 +252,17 @@ class RecurrentLM(nn.Module):
         tokens = cast(torch.Tensor, input_ids if inputs_embeds is None else inputs_embeds)  # exactly one is given
         ctx = self.attention_context(tokens, attention_mask, decoding.position_ids, decoding.cache)
         x = self.embed_and_prelude(input_ids, ctx, inputs_embeds, on_hidden_state)
-        result = (
-            CoreResult(x)
-            if self.core is None
-            else self.run_core(x, ctx, num_steps, state_init, on_hidden_state, decoding)
-        )
-        cache, logits = decoding.cache, result.logits
-        if result.coda_rows is None or bool(result.coda_rows.any()):
-            # coda_rows come from a decoding core loop (adaptive exit), which runs with a cache.
-            with nullcontext() if result.coda_rows is None else cast(KVCache, cache).writes_only(result.coda_rows):
-                hidden = self.coda_and_norm(result.state, ctx, on_hidden_state)
-            if labels is not None:
-                logits = self.loss(hidden, labels, loss_chunk_tokens)
-            else:
-                head_from = 0 if decoding.head_positions is None else hidden.shape[1] - decoding.head_positions
-                final = self.head(hidden[:, head_from:])
-                # Rows whose exit check already gave their logits keep them (a loop gives logits with coda_rows).
-                coda_rows = cast(torch.Tensor, result.coda_rows)
-                logits = final if logits is None else torch.where(coda_rows[:, None, None], final, logits)
-        if cache is not None:
-            cache.advance(tokens.shape[1])
-        return logits  # type: ignore[return-value]
-
-    def run_core(
-        self,
-        x: torch.Tensor,
-        ctx: AttentionContext,
-        num_steps: NumSteps,
-        state_init: str | None,
-        on_hidden_state: Callable[[torch.Tensor], None] | None,
-        decoding: Decoding,
-    ) -> CoreResult:
-        """The core's part of a forward: the fixed num_steps iterations, or the decoding's own loop."""
-        core = cast(RecurrentCore, self.core)  # forward runs the core only in a model that has one
-        init = self.resolve_state_init(state_init)
-        if decoding.core_loop is None and decoding.initial_state is None:
+        if self.core is not None:
             depth = DEFAULT_BACKPROP_DEPTH if self.training and torch.is_grad_enabled() else None
             steps = resolve_num_steps(num_steps, self.args, backprop_depth=depth)
-            return CoreResult(core(x, ctx, steps, init, on_hidden_state))
-        injected = core.inject(x)
-        state = decoding.initial_state if decoding.initial_state is not None else core.initial_state(x, init)
-        if decoding.core_loop is not None:
-            return decoding.core_loop(core, state, injected, ctx)
-        total = sum(resolve_num_steps(num_steps, self.args))
-        return CoreResult(core.iterate(state, injected, iteration_contexts(ctx, 0, total), on_state=on_hidden_state))
+            x = self.core(x, ctx, steps, self.resolve_state_init(state_init), on_hidden_state)
+        hidden = self.coda_and_norm(x, ctx, on_hidden_state)
+        if decoding.cache is not None:
+            decoding.cache.advance(tokens.shape[1])
+        if labels is not None:
+            return self.loss(hidden, labels, loss_chunk_tokens)
+        head_from = 0 if decoding.head_positions is None else hidden.shape[1] - decoding.head_positions
+        return self.head(hidden[:, head_from:])
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor, loss_chunk_tokens: int) -> torch.Tensor:
         """The summed next-token loss of final-norm hidden states (chunked when loss_chunk_tokens > 0).
@@ -352,11 +299,6 @@ class RecurrentLM(nn.Module):
         record(x)
         return x
 
-    def coda_and_head(
-        self, x: torch.Tensor, ctx: AttentionContext, on_hidden_state: Callable[[torch.Tensor], None] | None = None
-    ) -> torch.Tensor:
-        return self.head(self.coda_and_norm(x, ctx, on_hidden_state))
-
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of final-norm hidden states: the LM head, or the embedding matrix when tied."""
         return self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.embed_tokens.weight)
@@ -389,7 +331,7 @@ class RecurrentLM(nn.Module):
         past = cache.length if cache is not None else 0
         if position_ids is None:
             if attention_mask is not None:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+                position_ids = positions_from_mask(attention_mask)[:, past:]
             else:
                 position_ids = torch.arange(past, past + seqlen, device=input_ids.device).expand(bsz, -1)
         cos, sin = rope_cos_sin(position_ids, self.rope_inv_freq(input_ids.device), self.embed_tokens.weight.dtype)
@@ -478,6 +420,12 @@ def resolve_num_steps(num_steps: NumSteps, args: ModelArgs, backprop_depth: int 
     if n < 0 or k < 0 or n + k < 1:
         raise ValueError(f"num_steps must give at least one iteration and no negative counts, got {num_steps}")
     return n, k
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """RoPE positions (B, L) of a (B, L) mask of real tokens: each real token's count of real tokens before it
+    (left padding gets 0), so a padded row computes what it computes alone."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def build_attention_mask(
