@@ -272,3 +272,48 @@ def test_bench_check_compares_the_fast_path_with_eager(counter, capsys) -> None:
     assert line.startswith("r=3 batch 2 float32 cpu: fast vs eager over 6 teacher-forced tokens"), line
     assert float(line.split("max |logit difference| ")[1].split()[0]) < 1e-4
     assert line.endswith("argmax agreement 100.0%")
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_cache_the_device_cannot_hold_is_refused_in_one_line_before_allocation(model, monkeypatch, compile) -> None:
+    """Batch 64 at 2k columns and r = 32 is tens of GiB: the program is refused before its cache is allocated."""
+    from titan_recur.models.cache import KVCache
+    from titan_recur.utils import limits
+
+    monkeypatch.setattr(limits, "available_memory", lambda device: 1000)
+    allocated = []
+    monkeypatch.setattr(KVCache, "__init__", lambda *a, **kw: allocated.append(1))
+    ids, mask = prompts()
+    with pytest.raises(ValueError) as err:
+        generate(model, ids, GenerationOptions(max_new_tokens=40, num_steps=4, compile=compile), attention_mask=mask)
+    message = str(err.value)
+    rows, columns = (4, 128) if compile else (3, 49)  # compiled: the batch bucket and the capacity step
+    assert message.startswith(
+        f"the decode KV cache of {rows} rows x {columns} columns at r = 4 (kv_sharing full) needs"
+    )
+    assert message.endswith(
+        "but cpu has 0.0 GiB free; use fewer rows or new tokens, or kv_sharing 'latest' / 'compress-N'"
+    )
+    assert "\n" not in message and allocated == []
+
+
+def test_a_failed_cuda_graph_capture_falls_back_to_the_uncompiled_step(model, counter, monkeypatch, caplog) -> None:
+    """Where capture fails (a GPU without graph support, an op that cannot be captured), the program warns once
+    and decodes uncompiled, with the same tokens and logits; exercised here with the capture forced to fail."""
+
+    def capture_fails(segments):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(decode_program.DecodeProgram, "_captures", lambda self: True)
+    monkeypatch.setattr(decode_program, "_capture_graphs", capture_fails)
+    ids, mask = prompts()
+    options = GenerationOptions(max_new_tokens=8, num_steps=3)
+    with caplog.at_level("WARNING", logger=decode_program.__name__):
+        fast = generate(model, ids, dataclasses.replace(options, compile=True), attention_mask=mask, return_logits=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "CUDA graph capture failed (CUDA error: operation not permitted when stream is capturing); "
+        "this program decodes uncompiled"
+    ]
+    (program,) = decode_program._DECODE_PROGRAMS[model].values()
+    assert not program.compiled and not program.graphs and program.describe().endswith("uncompiled")
+    assert_same(generate(model, ids, options, attention_mask=mask, return_logits=True), fast)

@@ -286,7 +286,7 @@ class DecodeProgram:
         survives ``prefill``, which resets every buffer it read."""
         self._pin()
         self.key_bias.fill_(-math.inf)
-        if self.key_bias.device.type != "cuda":
+        if not self._captures():
             for segment in self.segments:
                 _run_decode_calls(segment)
             return
@@ -296,6 +296,10 @@ class DecodeProgram:
             LOG.warning("CUDA graph capture failed (%s); this program decodes uncompiled", str(err).splitlines()[0])
             self.graphs, self.compiled = [], False
             self._build_segments(compiled=False)
+
+    def _captures(self) -> bool:
+        """Whether the compiled segments are captured as CUDA graphs: on a GPU."""
+        return self.key_bias.device.type == "cuda"
 
     # --- running ----------------------------------------------------------------------------------
 
