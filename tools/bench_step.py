@@ -11,6 +11,10 @@ itself), or as one process on the CPU. The trainer's data check and loader are s
         --num-steps 24,8 --seq-len 1024 --local-batch 8 --compile --ac-mode per_iteration
     python tools/bench_step.py --model assets/tiny_llama_recurrent --num-steps 3,1 --seq-len 64   # CPU
 
+--attention-mask document times training.attention_mask = "document": the random rows then hold documents of
+--document-len tokens on average (each token ends one with probability 1 / --document-len) and carry the
+loader's document ids.
+
 MFU uses the full FLOP convention (titan_recur.training.cost_model: every matmul of the (n, k) run, attention
 included, AC recompute excluded) over the device's dense bf16 peak (--peak-flops to override).
 """
@@ -21,6 +25,7 @@ import argparse
 import json
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, get_args
 from unittest import mock
@@ -32,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from titan_recur.config import ACMode, NSDtype
+    from titan_recur.config import ATTENTION_MASKS, ACMode, NSDtype
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_mutually_exclusive_group(required=True)
@@ -45,6 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ac-mode", default="per_iteration", choices=get_args(ACMode))
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--loss-chunk-tokens", type=int, default=1024)
+    parser.add_argument("--attention-mask", default="causal", choices=ATTENTION_MASKS, help="training.attention_mask")
+    parser.add_argument(
+        "--document-len", type=int, default=256, help="mean document length under --attention-mask document"
+    )
     parser.add_argument(
         "--ns-dtype", default="auto", choices=get_args(NSDtype), help="Muon's Newton-Schulz dtype (optimizer.ns_dtype)"
     )
@@ -54,8 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--jsonl", type=Path, help="also append the result as one JSON line to this file")
     args = parser.parse_args(argv)
-    if args.warmup < 1 or args.steps < 1:
-        parser.error("--warmup and --steps must be >= 1")
+    if args.warmup < 1 or args.steps < 1 or args.document_len < 1:
+        parser.error("--warmup, --steps and --document-len must be >= 1")
     return args
 
 
@@ -91,6 +100,8 @@ def trainer_overrides(args: argparse.Namespace, dump: str) -> list[str]:
         str(args.compile).lower(),
         "--training.loss_chunk_tokens",
         str(args.loss_chunk_tokens),
+        "--training.attention_mask",
+        args.attention_mask,
         "--optimizer.ns_dtype",
         args.ns_dtype,
         "--checkpoint.enable",
@@ -128,6 +139,23 @@ def build_trainer(args: argparse.Namespace, dump: str) -> Trainer:
         return Trainer(cfg)
 
 
+def random_batches(args: argparse.Namespace, vocab: int, eos_id: int | None, seed: int) -> Iterator[dict]:
+    """Endless batches of random rows; given ``eos_id``, with documents of ~args.document_len tokens and their ids."""
+    import torch
+
+    from titan_recur.data.loader import document_ids
+
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        rows = torch.randint(0, vocab, (args.local_batch, args.seq_len + 1), generator=gen)
+        if eos_id is not None:
+            rows[torch.rand(rows.shape, generator=gen) < 1 / args.document_len] = eos_id
+        batch = {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+        if eos_id is not None:
+            batch["document_ids"] = document_ids(batch["input_ids"], eos_id)
+        yield batch
+
+
 def run(args: argparse.Namespace) -> dict:
     """Time the step at (n, k), split into its phases, then at (n + 4, k) and (n, k + 2): the differences are
     the cost of one no-grad and one grad iteration inside the real step (changing (n, k) compiles nothing new)."""
@@ -140,15 +168,9 @@ def run(args: argparse.Namespace) -> dict:
     n, k = (int(v) for v in args.num_steps.split(","))
     with tempfile.TemporaryDirectory() as dump:
         trainer = build_trainer(args, dump)
-        gen = torch.Generator().manual_seed(trainer.dist.rank)
-        vocab, device = trainer.model_args.vocab_size, trainer.dist.device
-
-        def batches():
-            while True:
-                rows = torch.randint(0, vocab, (args.local_batch, args.seq_len + 1), generator=gen)
-                yield {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
-
-        data = batches()
+        device = trainer.dist.device
+        eos_id = trainer.tokenizer.eos_id if args.attention_mask == "document" else None
+        data = random_batches(args, trainer.model_args.vocab_size, eos_id, seed=trainer.dist.rank)
 
         def seconds_per_step(depth: tuple[int, int], steps: int) -> float:
             trainer.schedule.sample = lambda step, micro_step: depth
@@ -191,6 +213,8 @@ def run(args: argparse.Namespace) -> dict:
             "world_size": world,
             "ac_mode": args.ac_mode,
             "compile": args.compile,
+            "attention_mask": args.attention_mask,
+            "document_len": args.document_len if eos_id is not None else None,
             "device": str(device),
             "step_seconds": seconds,
             **{f"{name}_seconds": phases[name] for name in STEP_PHASES},
@@ -232,6 +256,7 @@ def describe(result: dict) -> str:
         return "n/a" if v is None else f"{100 * v:.1f}%"
 
     mem = "n/a" if result["peak_memory_gib"] is None else f"{result['peak_memory_gib']:.1f} GiB"
+    documents = "" if result["document_len"] is None else f" (documents of ~{result['document_len']} tokens)"
     phases = [key.removesuffix("_seconds") for key in result if key.endswith("_seconds") and key != "step_seconds"]
     split = ", ".join(f"{name} {ms(result[f'{name}_seconds'])}" for name in phases if name != "compile")
     optimizer_flops = result["optimizer_flops_per_step"]
@@ -240,7 +265,8 @@ def describe(result: dict) -> str:
     ]
     return (
         f"{result['model']} {result['shape'] or ''} (n,k)={tuple(result['num_steps'])} seq {result['seq_len']} "
-        f"batch {result['local_batch']} ac {result['ac_mode']} compile {result['compile']} world "
+        f"batch {result['local_batch']} ac {result['ac_mode']} compile {result['compile']} attention "
+        f"{result['attention_mask']}{documents} world "
         f"{result['world_size']}: {result['tokens_per_sec_per_device']:,.0f} tok/s/device, MFU "
         f"{percent(result['mfu'])} (paper convention {percent(result['mfu_paper'])}), peak {mem} (preflight "
         f"estimate {result['estimated_memory_gib']:.3g} GiB), no-grad iteration {ms(iterations[0])}, grad "

@@ -9,11 +9,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.data_util import SEQ_LEN, full_rows, make_docs, resume_config, take, write_jsonl
 from tests.torchrun_util import REPO_ROOT, WORKERS_DIR, load_tool, run_torchrun
 from titan_recur.config import Data, DataPhase, DataSource
-from titan_recur.data.loader import LoaderGeometry, build_dataloader, check_data_config
+from titan_recur.data.loader import LoaderGeometry, _dataset_states, build_dataloader, check_data_config
 from titan_recur.data.tokenizer import check_vocab
 
 # tools/prepare_data.py, imported by name so that its process pool can pickle its functions
@@ -165,6 +166,26 @@ def test_resume_mid_run_is_exact(tmp_path, tok, num_workers):
     resumed.load_state_dict(state)
     tail = full_rows(take(resumed, 200))
     assert torch.equal(torch.cat([head, tail]), reference)
+
+
+def test_document_masking_adds_document_ids_and_keeps_rows_and_state(tmp_path, tok):
+    """Under training.attention_mask = "document" each batch also holds every token's document within its row (a
+    new one after each EOS), in worker processes too; the rows, their order and the resumable state are causal
+    training's."""
+    cfg = resume_config(tmp_path, 2)
+    geometry = LoaderGeometry(SEQ_LEN, 2, 4)
+    causal, documents = (build_dataloader(cfg, tok, geometry, attention_mask=m) for m in ("causal", "document"))
+    plain, masked = take(causal, 30), take(documents, 30)
+    assert "document_ids" not in plain[0]
+    assert torch.equal(full_rows(masked), full_rows(plain))
+    states = list(_dataset_states(causal.state_dict()))
+    assert len(states) == 2 and states == list(_dataset_states(documents.state_dict()))
+    ids = torch.cat([b["input_ids"] for b in masked])
+    docs = torch.cat([b["document_ids"] for b in masked])
+    assert docs[:, 0].eq(0).all() and (docs.diff(dim=1) >= 0).all()
+    after_eos = F.pad(ids[:, :-1] == tok.eos_id, (1, 0), value=False)
+    assert torch.equal(F.pad(docs.diff(dim=1), (1, 0)).bool(), after_eos)
+    assert after_eos.any()
 
 
 def test_resharding_refuses_or_restarts(tmp_path, tok):

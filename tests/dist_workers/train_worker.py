@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from titan_recur.config import load_config
+from titan_recur.data.loader import document_ids
 from titan_recur.training.trainer import Trainer
 
 PARAM_NAME_NOISE = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -38,16 +39,24 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
 
 
-def fixed_batches(steps: int, accum: int, global_batch: int, seq_len: int, vocab: int, rank: int, world: int):
-    """The same global batches for every world size; each rank takes its contiguous slice."""
+def fixed_batches(
+    steps: int, accum: int, global_batch: int, seq_len: int, vocab: int, rank: int, world: int, eos_id: int | None
+):
+    """The same global batches for every world size; each rank takes its contiguous slice. Given ``eos_id``
+    (document masking), about one token in 5 ends a document and the batches carry document_ids, as the loader's."""
     gen = torch.Generator().manual_seed(1234)
     local = global_batch // world
     for _ in range(steps):
         micro = []
         for _ in range(accum):
             rows = torch.randint(0, vocab, (global_batch, seq_len + 1), generator=gen)
+            if eos_id is not None:
+                rows[torch.rand(rows.shape, generator=gen) < 0.2] = eos_id
             mine = rows[rank * local : (rank + 1) * local]
-            micro.append({"input_ids": mine[:, :-1].contiguous(), "labels": mine[:, 1:].contiguous()})
+            batch = {"input_ids": mine[:, :-1].contiguous(), "labels": mine[:, 1:].contiguous()}
+            if eos_id is not None:
+                batch["document_ids"] = document_ids(batch["input_ids"], eos_id)
+            micro.append(batch)
         yield micro
 
 
@@ -133,7 +142,8 @@ def train_fixed_steps(trainer: Trainer, args: argparse.Namespace, after_step=lam
     """The trainer's own train_step on the fixed batches; returns each step's record."""
     rank, world = trainer.dist.rank, trainer.dist.world_size
     records = []
-    batches = fixed_batches(args.steps, args.accum, args.global_batch, args.seq_len, 97, rank, world)
+    eos_id = trainer.tokenizer.eos_id if trainer.cfg.training.attention_mask == "document" else None
+    batches = fixed_batches(args.steps, args.accum, args.global_batch, args.seq_len, 97, rank, world, eos_id)
     for step, micro in enumerate(batches, start=1):
         trainer.step = step
         records.append(trainer.train_step(iter(micro)))

@@ -687,3 +687,52 @@ def test_in_loop_validation_and_eval_loss_agree_on_the_same_rows(tmp_path: Path,
     assert eval_main([*common, "--batches", "8", "--batch-size", "8", "--out", str(tmp_path / "other")]) == 0
     other = json.loads((tmp_path / "other" / "validation_loss.json").read_text())
     assert abs(other["loss"]["4"] - in_loop["validation.loss_r4"]) > 1e-3
+
+
+def test_document_masked_eval_batches_score_each_document_alone(model_dir: Path) -> None:
+    """Rows of the corpus packed under document masking: the validation sums are those of each document piece of
+    each row run alone (its own positions, no earlier document in view)."""
+    from titan_recur.data.tokenizer import load_tokenizer
+    from titan_recur.eval.sweep import heldout_batches
+
+    data = str(REPO / "assets" / "corpus" / "math.jsonl")
+    tokenizer = load_tokenizer(model_dir)
+    batches = list(
+        heldout_batches(tokenizer, seq_len=48, batch_size=2, num_batches=2, data=data, attention_mask="document")
+    )
+    model = load_model(model_dir)
+    sums = validation_loss_sums(model, batches, [3], "cpu")[3]
+    expected, pieces = 0.0, 0
+    for batch in batches:
+        for ids, labels, documents in zip(batch["input_ids"], batch["labels"], batch["document_ids"], strict=True):
+            for doc in documents.unique():
+                part = documents == doc
+                logits = model(ids[part][None], 3, state_init="zero")
+                expected += cross_entropy_loss(logits, labels[part][None]).item() * int((labels[part] != -100).sum())
+                pieces += 1
+    assert pieces > 2 * len(batches)  # rows of several documents
+    assert sums[0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_document_masking_in_training_validation_and_eval_loss(tmp_path: Path) -> None:
+    """training.attention_mask = "document": the in-loop validation and `eval loss --config` (which takes the
+    config's mask) agree on the same rows; `--attention-mask causal` gives other losses."""
+    from titan_recur.cli.train import main as train_main
+
+    dump = tmp_path / "run"
+    argv = ["--config", str(REPO / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(dump)]
+    argv += ["--training.steps", "2", "--validation.interval", "2", "--training.attention_mask", "document"]
+    assert train_main([*argv, "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"]) == 0
+    in_loop = next(
+        json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines() if "validation.loss_r1" in line
+    )
+    common = ["loss", "--checkpoint", str(dump / "final_model"), "--config", str(dump / "config.json")]
+    common += ["--recurrences", "1,4"]
+    assert eval_main([*common, "--out", str(tmp_path / "same")]) == 0
+    same = json.loads((tmp_path / "same" / "validation_loss.json").read_text())
+    assert same["attention_mask"] == "document"
+    for r in (1, 4):
+        assert same["loss"][str(r)] == pytest.approx(in_loop[f"validation.loss_r{r}"], rel=1e-6, abs=1e-6)
+    assert eval_main([*common, "--attention-mask", "causal", "--out", str(tmp_path / "causal")]) == 0
+    causal = json.loads((tmp_path / "causal" / "validation_loss.json").read_text())
+    assert abs(causal["loss"]["4"] - same["loss"]["4"]) > 1e-3

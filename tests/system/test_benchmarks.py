@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun_util import DEBUG_CONFIG, REPO_ROOT, run_torchrun
+from tests.torchrun_util import DEBUG_CONFIG, REPO_ROOT, load_tool, run_torchrun
 from titan_recur import RecurrentLM
 from titan_recur.config import load_config
 from titan_recur.storage.model_io import read_model_args
@@ -65,6 +65,31 @@ def test_bench_step_runs_the_fsdp_trainer_step_and_reports_mfu(tmp_path: Path):
     muon = build_optimizers(RecurrentLM(args), cfg.optimizer, cfg.lr_scheduler, 1).optimizers[0]
     assert point["optimizer_flops_per_step"] == muon.orthogonalisation_flops() > 0
     assert point["peak_memory_gib"] is None and point["estimated_memory_gib"] > 0  # no allocator peak on a CPU
+
+
+@pytest.mark.slow
+def test_bench_step_times_document_masking_on_rows_of_documents(tmp_path: Path):
+    """--attention-mask document runs the trainer's step with training.attention_mask = "document" on rows that hold
+    documents (the batches carry document_ids, which the model turns into its block-diagonal mask)."""
+    bench_step = load_tool("bench_step")
+    argv = ["--model", str(MODEL), "--num-steps", "2,1", "--seq-len", "32", "--local-batch", "2"]
+    args = bench_step.parse_args([*argv, "--steps", "1", "--warmup", "1", "--attention-mask", "document"])
+    args.document_len = 8
+    batch = next(bench_step.random_batches(args, 512, eos_id=2, seed=0))
+    assert batch["document_ids"][:, -1].min() > 0  # several documents in each row
+    done = subprocess.run(
+        [sys.executable, "tools/bench_step.py", *argv, "--steps", "1", "--warmup", "1", "--json"]
+        + ["--attention-mask", "document", "--document-len", "8"],
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    point = json.loads(done.stdout.splitlines()[-1])
+    assert (point["attention_mask"], point["document_len"]) == ("document", 8)
+    assert point["tokens_per_sec_per_device"] > 0
 
 
 def test_bench_loss_chunked_peak_below_plain():

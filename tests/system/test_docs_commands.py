@@ -336,6 +336,15 @@ RUN_ELSEWHERE = {
     "--shape 12,6,5 --batch-sizes 1 --recurrences 1,4,32 --prompt-len 32 --new-tokens 32 --engines full --compile "
     "--rounds 1 --hf-source ~/.cache/titan_recur/smollm2-135m-instruct-q4_1": SMOLLM2_BENCH,
 }
+DOCUMENT_MASK_BENCH = (
+    "the same benchmark on tiny shapes: "
+    "tests/system/test_benchmarks.py::test_bench_step_times_document_masking_on_rows_of_documents"
+)
+RUN_ELSEWHERE |= {
+    "OMP_NUM_THREADS=1 python tools/bench_step.py --model assets/tiny_llama_recurrent --num-steps 3,1 --seq-len 1024 "
+    f"--local-batch 2 --steps 5 --warmup 2 --attention-mask {mask}": DOCUMENT_MASK_BENCH
+    for mask in ("causal", "document --document-len 256")
+}
 # Commands run here, as written, after replacing each placeholder (doc text -> this test's path).
 # "{run}" is a tiny finished training run of the debug config, "{tmp}" a fresh folder.
 RUN = {

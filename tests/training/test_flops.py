@@ -24,6 +24,7 @@ from titan_recur.storage.model_io import write_model_args
 from titan_recur.training.cost_model import (
     TrainingRun,
     block_params,
+    document_masking_note,
     eval_flops_per_token,
     mfu,
     paper_flops_per_token,
@@ -67,7 +68,9 @@ def tiny_model(args: ModelArgs) -> RecurrentLM:
     return model
 
 
-def counted_flops_per_token(model: RecurrentLM, num_steps: tuple[int, int]) -> float:
+def counted_flops_per_token(
+    model: RecurrentLM, num_steps: tuple[int, int], document_ids: torch.Tensor | None = None
+) -> float:
     """FlopCounterMode over forward + loss + backward of one micro-step, per token.
 
     The math SDPA backend is forced: on CPU the fused kernel (_scaled_dot_product_flash_attention_for_cpu)
@@ -80,7 +83,7 @@ def counted_flops_per_token(model: RecurrentLM, num_steps: tuple[int, int]) -> f
     """
     ids = torch.randint(0, model.args.vocab_size, (BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        loss = cross_entropy_loss(model(ids[:, :-1], num_steps), ids[:, 1:])
+        loss = cross_entropy_loss(model(ids[:, :-1], num_steps, document_ids=document_ids), ids[:, 1:])
         loss.backward()
     return counter.get_total_flops() / (BATCH * SEQ_LEN)
 
@@ -95,6 +98,15 @@ def test_training_flops_match_flop_counter(tie: bool, num_steps: tuple[int, int]
     counted = counted_flops_per_token(tiny_model(args), num_steps)
     analytic = training_flops_per_token(args, num_steps, SEQ_LEN).total
     assert counted == pytest.approx(analytic, rel=1e-9)
+
+
+def test_document_masking_counts_the_full_square_as_the_dense_mask_computes_it() -> None:
+    """Under training.attention_mask = "document" the dense SDPA mask still computes every score of the T x T
+    square: FlopCounterMode counts the causal run's FLOPs, which is what the analytic count reports."""
+    args = tiny_args()
+    documents = torch.arange(SEQ_LEN).div(5, rounding_mode="floor").expand(BATCH, -1)  # documents of 5 tokens
+    counted = counted_flops_per_token(tiny_model(args), (2, 1), documents)
+    assert counted == pytest.approx(training_flops_per_token(args, (2, 1), SEQ_LEN).total, rel=1e-9)
 
 
 @pytest.mark.parametrize("block_type", BLOCK_TYPES)
@@ -420,6 +432,19 @@ def test_cli_prints_its_assumptions_from_the_trainer_defaults(tool, capsys: pyte
     )
     assert assumed["backprop_depth"] == r.backprop_depth
     tool.main(["--preset", "tinyllama-1.1b", "--steps", "100"])
-    assert (
-        "assuming (the trainer's defaults and the flags given): 100 steps of 16,384 tokens" in capsys.readouterr().out
-    )
+    out = capsys.readouterr().out
+    assert "assuming (the trainer's defaults and the flags given): 100 steps of 16,384 tokens" in out
+    assert assumed["attention_mask"] == "causal" and "document masking" not in out
+
+
+def test_cli_says_what_document_masking_changes(tool, capsys: pytest.CaptureFixture) -> None:
+    """The counts are those of causal attention, and a line says why (the dense mask computes the full square)."""
+    config = str(ROOT / "train_configs" / "debug_model.toml")
+    tool.main(["--config", config, "--json"])
+    causal = json.loads(capsys.readouterr().out)
+    tool.main(["--config", config, "--training.attention_mask", "document", "--json"])
+    masked = json.loads(capsys.readouterr().out)
+    assert masked["assumptions"]["attention_mask"] == "document"
+    assert (masked["flops_per_token"], masked["full_flops"]) == (causal["flops_per_token"], causal["full_flops"])
+    tool.main(["--config", config, "--training.attention_mask", "document"])
+    assert f"  {document_masking_note()}\n" in capsys.readouterr().out

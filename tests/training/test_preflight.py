@@ -135,6 +135,10 @@ def test_check_plan_counts(checkout, hub_standin, monkeypatch, capsys):
         (["--model.path", "no/such/folder"], ["model.path no/such/folder: no such folder"]),
         (["--training.bogus", "1"], ["unknown option --training.bogus"]),
         (
+            ["--training.attention_mask", "blockwise"],
+            ["--training.attention_mask expects one of 'causal', 'document', got 'blockwise'"],
+        ),
+        (
             ["--training.global_batch_size", "24", "--world-size", "2"],
             [
                 "training.global_batch_size (24) must be a multiple of local_batch_size x data-parallel ranks (8 x 2 = 16)"
@@ -154,6 +158,14 @@ def test_check_problems_are_one_line_each(tmp_path, capsys, argv, expected):
     assert code == 2 and not out
     assert len(err) == len(expected) and all(e in line for e, line in zip(expected, err, strict=True)), err
     assert not dump.exists()
+
+
+def test_check_says_document_masking_is_on(tmp_path, capsys):
+    argv = ["--config", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path / "run")]
+    code, out, _ = run_check([*argv, "--training.attention_mask", "document"], capsys)
+    assert code == 0 and f"attention: {cost_model.document_masking_note()}" in out
+    code, out, _ = run_check(argv, capsys)
+    assert code == 0 and "document masking" not in out
 
 
 @pytest.mark.parametrize(

@@ -64,6 +64,23 @@ def test_fsdp_two_ranks_match_single_process(tiny_model_dir, tmp_path, optimizer
 
 
 @pytest.mark.slow
+def test_document_masking_two_ranks_match_single_process(tiny_model_dir, tmp_path):
+    """training.attention_mask = "document" under FSDP2 on 2 ranks (per-iteration checkpointing, 2 micro-steps):
+    losses, gradients and parameters of one process; and the mask is on (causal attention's losses differ)."""
+    extra = ("--optimizer", "adamw", "--ac", "per_iteration", "--steps", str(STEPS), "--accum", "2")
+    documents = (*extra, "--training.attention_mask", "document")
+    single_args, single_out = worker_args(tiny_model_dir, tmp_path, "single", *documents)
+    multi_args, multi_out = worker_args(tiny_model_dir, tmp_path, "multi", *documents)
+    causal_args, causal_out = worker_args(tiny_model_dir, tmp_path, "causal", *extra)
+    run_single(single_args)
+    run_single(causal_args)
+    run_torchrun([WORKER, *multi_args], nproc=2)
+    single, multi = torch.load(single_out), torch.load(multi_out)
+    assert_runs_agree(single, multi, "adamw")
+    assert all(abs(a - b) > 1e-4 for a, b in zip(single["losses"], torch.load(causal_out)["losses"], strict=True))
+
+
+@pytest.mark.slow
 def test_hsdp_two_by_two_matches_single_process(tiny_model_dir, tmp_path):
     extra = ("--optimizer", "muon", "--ac", "per_iteration", "--steps", str(STEPS))
     single_args, single_out = worker_args(tiny_model_dir, tmp_path, "single", *extra)

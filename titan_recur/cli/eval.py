@@ -32,7 +32,7 @@ from titan_recur.cli.kit import (
     float_list,
     int_list,
 )
-from titan_recur.config import TEXT_SOURCE_KINDS
+from titan_recur.config import ATTENTION_MASKS, TEXT_SOURCE_KINDS
 from titan_recur.inference.exit_criteria import describe_criteria
 from titan_recur.models.args import STATE_INITS
 from titan_recur.storage.checkpoint import CheckpointError
@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="read the rows the in-loop validation reads on this many data-parallel ranks (default 1)",
+    )
+    loss.add_argument(
+        "--attention-mask",
+        choices=ATTENTION_MASKS,
+        help="'document': each packed document attends only to itself (default: --config's "
+        "training.attention_mask, else causal)",
     )
     loss.add_argument("--out", required=True, type=Path, help="output folder for validation_loss.{json,png}")
     add_force(loss, "validation_loss.{json,png}")
@@ -211,7 +217,14 @@ def run_loss(args: argparse.Namespace) -> None:
             f"--data-ranks {args.data_ranks} is above {MAX_DATA_RANKS} (the data-parallel ranks a run has)"
         )
     settings, in_loop = rows_settings(
-        args.config, args.batches, args.batch_size, args.seq_len, args.data_ranks, DATA_BATCH_SIZE, DATA_SEQ_LEN
+        args.config,
+        args.batches,
+        args.batch_size,
+        args.seq_len,
+        args.data_ranks,
+        DATA_BATCH_SIZE,
+        DATA_SEQ_LEN,
+        args.attention_mask,
     )
     device = resolve_device(args.device)
     model_args = checkpoint_model_args(args.checkpoint, args.model_config)
@@ -230,6 +243,7 @@ def run_loss(args: argparse.Namespace) -> None:
         config=args.config,
         ranks=settings["data_ranks"],
         data_format=args.data_format,
+        attention_mask=settings["attention_mask"],
     )
     most = None if settings["batches"] is None else settings["batches"] * settings["data_ranks"]
     report = loss_sweep(model, batches, recurrences, device, args.state_init, num_batches=most)
@@ -285,7 +299,7 @@ def describe_rows(report: dict) -> str:
     return (
         f"evaluated {report['tokens']:,} labelled tokens: {report['batches_read']} batches, {report['rows_read']} "
         f"rows (asked: {asked} batches x {report['batch_size']} rows x {report['seq_len']} tokens per rank, "
-        f"{report['data_ranks']} rank(s))"
+        f"{report['data_ranks']} rank(s), {report['attention_mask']} attention)"
     )
 
 

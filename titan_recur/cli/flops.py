@@ -22,6 +22,7 @@ from titan_recur.training.cost_model import (
     CONVENTIONS,
     TrainingRun,
     config_training_run,
+    document_masking_note,
     eval_flops_per_token,
     paper_flops_per_token,
     param_counts,
@@ -109,6 +110,7 @@ class Setup:
     ac_mode: str
     preset: str | None = None
     curriculum: str = ""  # how the mean recurrence ramps, for the printed assumptions
+    attention_mask: str = "causal"  # training.attention_mask: the counts are the same, the note says why
 
     def run(self) -> TrainingRun:
         return TrainingRun(self.args, self.schedule, self.tokens_per_step, self.seq_len, self.micro_steps)
@@ -283,6 +285,7 @@ def setup_from_config(path: str, overrides: list[str], world_size: int) -> Setup
         cfg.training.ac_mode,
         cfg.model.preset,
         describe_curriculum(r.curriculum, r.mean_recurrence, r.warmup_fraction, r.start),
+        cfg.training.attention_mask,
     )
 
 
@@ -391,6 +394,7 @@ def assumptions(ns: argparse.Namespace, setup: Setup) -> dict:
         "curriculum": setup.curriculum if setup.args.is_recurrent else None,
         "backprop_depth": schedule.backprop_depth(setup.steps) if setup.args.is_recurrent else None,
         "ac_mode": setup.ac_mode,
+        "attention_mask": setup.attention_mask,
     }
 
 
@@ -430,6 +434,8 @@ def print_text(out: dict) -> None:
     print(f"per-token FLOPs of a training micro-step {at}, seq_len {out['seq_len']}:")
     recompute = f"  (+ recompute {bd['recompute']:.4e}, ac_mode {out['ac_mode']})" if bd["recompute"] else ""
     print(f"  forward {bd['forward']:.4e}  backward {bd['backward']:.4e}  total {bd['total']:.4e}{recompute}")
+    if a["attention_mask"] == "document":
+        print(f"  {document_masking_note()}")
     eval_at = f" at r = {max(n + k, 1)}" if out["recurrent"] else ""
     print(
         f"  eval forward{eval_at}: {out['eval_flops_per_token']:.4e}; "

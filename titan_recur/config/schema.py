@@ -35,6 +35,9 @@ SAMPLE_BY: tuple[str, ...] = get_args(SampleBy)
 # How mixed precision applies (titan_recur.training.parallelize).
 MixedPrecisionMode = Literal["fsdp", "autocast"]
 MIXED_PRECISION_MODES: tuple[str, ...] = get_args(MixedPrecisionMode)
+# Which earlier tokens a token attends to: the whole packed row, or only its own document (titan_recur.models.model).
+AttentionMask = Literal["causal", "document"]
+ATTENTION_MASKS: tuple[str, ...] = get_args(AttentionMask)
 # The learning rate's decay (titan_recur.training.optim).
 DecayType = Literal["cosine", "linear"]
 DECAY_TYPES: tuple[str, ...] = get_args(DecayType)
@@ -121,6 +124,12 @@ class Training:
         "runs in it (skipped on CPU). 'autocast': fp32 parameters and torch.autocast(mixed_precision_param) "
         "around the forward, as the reference does: matmuls in bf16, the prelude's residual stream and the "
         "norms in fp32, closer logits; all-gathers move fp32, 2x the bytes (also on CPU). See docs/benchmarks.md.",
+    )
+    attention_mask: AttentionMask = opt(
+        "causal",
+        "'causal': a token attends to every earlier token of its packed row, across document boundaries. "
+        "'document': only to its own document's (each ends with EOS), with RoPE positions restarting at each "
+        "document, as torchtitan's block_causal; also in validation and eval loss. See docs/training.md.",
     )
     compile: bool = opt(
         False, "torch.compile each prelude/coda block and the whole core iteration (the loop stays eager)."

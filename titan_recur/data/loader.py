@@ -44,7 +44,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from titan_recur.config import Data, DataSource, JobConfig
+from titan_recur.config import AttentionMask, Data, DataSource, JobConfig
 from titan_recur.data.tokenizer import Tokenizer, tokenizer_probe
 from titan_recur.models.loss import IGNORE_INDEX
 
@@ -668,10 +668,24 @@ class PackedDataset(IterableDataset):
         self._pending = state
 
 
-def _collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inputs and shifted labels; padding (IGNORE_INDEX, the end of a single-pass source) feeds token 0."""
+def _collate(rows: list[torch.Tensor], eos_id: int | None = None) -> dict[str, torch.Tensor]:
+    """Inputs and shifted labels; padding (IGNORE_INDEX, the end of a single-pass source) feeds token 0.
+    Given ``eos_id``, also each token's document (``document_ids``)."""
     batch = torch.stack(rows)
-    return {"input_ids": batch[:, 0, :-1].clamp(min=0), "labels": batch[:, 1, 1:].contiguous()}
+    input_ids = batch[:, 0, :-1].clamp(min=0)
+    out = {"input_ids": input_ids, "labels": batch[:, 1, 1:].contiguous()}
+    if eos_id is not None:
+        out["document_ids"] = document_ids(input_ids, eos_id)
+    return out
+
+
+def document_ids(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(B, T) index of each token's document within its row: every document is packed ending with EOS, so a
+    new one starts after each EOS (torchtitan's block_causal rule). The part of a document that the row cut
+    continues into the next row is that row's first document. Read from the tokens alone, so the loader's
+    state and order are those of causal training."""
+    ends = (input_ids == eos_id).long()
+    return ends.cumsum(dim=-1) - ends
 
 
 def _dataset_states(obj: Any) -> Iterator[dict]:
@@ -692,14 +706,14 @@ def _loader_class() -> type:
     class DataLoader(StatefulDataLoader):
         """StatefulDataLoader whose state also records the data geometry, to detect resharding on resume."""
 
-        def __init__(self, dataset: PackedDataset, num_workers: int, reshard: str):
+        def __init__(self, dataset: PackedDataset, num_workers: int, reshard: str, eos_id: int | None = None):
             with warnings.catch_warnings():  # torchdata calls torch.set_vital, which torch deprecates: not the user's
                 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
                 super().__init__(
                     dataset,
                     batch_size=dataset.batch,
                     num_workers=num_workers,
-                    collate_fn=_collate,
+                    collate_fn=functools.partial(_collate, eos_id=eos_id),
                     pin_memory=torch.cuda.is_available(),
                 )
             self.reshard = reshard
@@ -745,14 +759,22 @@ def _loader_class() -> type:
 
 
 def build_dataloader(
-    cfg_data: Data, tokenizer: Tokenizer, geometry: LoaderGeometry, *, split: str = "train", single_pass: bool = False
+    cfg_data: Data,
+    tokenizer: Tokenizer,
+    geometry: LoaderGeometry,
+    *,
+    split: str = "train",
+    single_pass: bool = False,
+    attention_mask: AttentionMask = "causal",
 ) -> StatefulDataLoader:
-    """Batches {"input_ids", "labels"} of shape (local_batch_size, seq_len) for one data-parallel rank.
+    """Batches {"input_ids", "labels"} of shape (local_batch_size, seq_len) for one data-parallel rank, with
+    "document_ids" (``document_ids``) when ``attention_mask`` is "document".
 
     ``single_pass``: read every source once, then stop (evaluation); the last batch may have fewer rows.
     """
     dataset = PackedDataset(cfg_data, tokenizer, geometry, split=split, single_pass=single_pass)
-    return _loader_class()(dataset, num_workers=cfg_data.num_workers, reshard=cfg_data.reshard)
+    eos_id = tokenizer.eos_id if attention_mask == "document" else None
+    return _loader_class()(dataset, num_workers=cfg_data.num_workers, reshard=cfg_data.reshard, eos_id=eos_id)
 
 
 def heldout_documents(cfg: Data) -> Iterator[str | tuple[str, str]]:

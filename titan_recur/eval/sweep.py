@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from titan_recur.config import Data, DataFormat, DataSource, load_config
+from titan_recur.config import AttentionMask, Data, DataFormat, DataSource, load_config
 from titan_recur.data.loader import LoaderGeometry, build_dataloader
 from titan_recur.data.tokenizer import Tokenizer
 from titan_recur.models.model import RecurrentLM
@@ -42,13 +42,16 @@ def rows_settings(
     ranks: int,
     data_batch_size: int,
     data_seq_len: int,
+    attention_mask: AttentionMask | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The rows to evaluate (given values, else the config's in-loop validation geometry, else the --data
-    defaults), and the config's in-loop validation settings to print beside them (None without a config)."""
-    in_loop = None
+    defaults), and the config's in-loop validation settings to print beside them (None without a config).
+    The attention mask likewise: given, else the config's training.attention_mask, else "causal"."""
+    in_loop, config_mask = None, "causal"
     if config is not None:
         cfg = load_config(config)
         v, t = cfg.validation, cfg.training
+        config_mask = t.attention_mask
         in_loop = {
             "enable": v.enable,
             "interval": v.interval,
@@ -63,6 +66,7 @@ def rows_settings(
         "batch_size": batch_size or defaults["batch_size"],
         "seq_len": seq_len or defaults["seq_len"],
         "data_ranks": ranks,
+        "attention_mask": attention_mask or config_mask,
     }
     return settings, in_loop
 
@@ -119,6 +123,7 @@ def heldout_batches(
     config: str | None = None,
     ranks: int = 1,
     data_format: DataFormat = "text",
+    attention_mask: AttentionMask = "causal",
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Packed batches of ``data`` (every document), or of the validation split of a train config.
 
@@ -127,7 +132,8 @@ def heldout_batches(
     ``ranks`` = N the rows are those of the in-loop validation on N data-parallel ranks: rank 0's
     batches, then rank 1's, ... (each rank reads every N-th document). The validation split is the
     documents the trainer held out (``data.validation_fraction`` > 0, or ``[[data.validation_sources]]``),
-    packed as in training from the config's final data mixture.
+    packed as in training from the config's final data mixture. ``attention_mask``: as
+    training.attention_mask; "document" adds each row's document ids.
     """
     if (data is None) == (config is None):
         raise ValueError("give the held-out data: either --data PATH or --config TRAIN_TOML (its validation split)")
@@ -147,6 +153,7 @@ def heldout_batches(
             LoaderGeometry(seq_len, batch_size, dp_rank=rank, dp_world=ranks, seed=seed),
             split=split,
             single_pass=True,
+            attention_mask=attention_mask,
         )
         for rank in range(ranks)
     ]

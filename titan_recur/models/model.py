@@ -221,6 +221,7 @@ class RecurrentLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         on_hidden_state: Callable[[torch.Tensor], None] | None = None,
         decoding: Decoding | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V), or with ``labels`` the summed next-token loss (fp32 scalar).
 
@@ -245,12 +246,15 @@ class RecurrentLM(nn.Module):
         final norm's output (what the head reads), 2 + P + r + C calls. A callable, not a list, so that
         hooks that move a module's arguments between devices (accelerate's) pass it through unchanged.
         decoding: the KV cache, positions and head positions of a forward through a cache (``Decoding``).
+        document_ids: (B, T) the document of each token of packed rows (non-decreasing along a row): a token
+        then attends only to its own document, whose RoPE positions start at 0, so each document computes
+        what it computes alone (training.attention_mask = "document"; not with a cache or positions).
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
         decoding = decoding or Decoding()
         tokens = cast(torch.Tensor, input_ids if inputs_embeds is None else inputs_embeds)  # exactly one is given
-        ctx = self.attention_context(tokens, attention_mask, decoding.position_ids, decoding.cache)
+        ctx = self.attention_context(tokens, attention_mask, decoding.position_ids, decoding.cache, document_ids)
         x = self.embed_and_prelude(input_ids, ctx, inputs_embeds, on_hidden_state)
         if self.core is not None:
             depth = DEFAULT_BACKPROP_DEPTH if self.training and torch.is_grad_enabled() else None
@@ -324,11 +328,16 @@ class RecurrentLM(nn.Module):
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
         cache: KVCache | None,
+        document_ids: torch.Tensor | None = None,
     ) -> AttentionContext:
         """RoPE tables, mask and cache of a forward; reads only the (B, T) shape and device of ``input_ids``
-        (token ids, or embeddings)."""
+        (token ids, or embeddings). Built once per forward: every block and core iteration shares it."""
         bsz, seqlen = input_ids.shape[:2]
         past = cache.length if cache is not None else 0
+        if document_ids is not None:
+            if cache is not None or position_ids is not None:
+                raise ValueError("document_ids are for whole packed rows: not with a KV cache or position_ids")
+            position_ids = document_positions(document_ids)
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = positions_from_mask(attention_mask)[:, past:]
@@ -336,9 +345,9 @@ class RecurrentLM(nn.Module):
                 position_ids = torch.arange(past, past + seqlen, device=input_ids.device).expand(bsz, -1)
         cos, sin = rope_cos_sin(position_ids, self.rope_inv_freq(input_ids.device), self.embed_tokens.weight.dtype)
         mask = None
-        if attention_mask is not None or cache is not None:
+        if attention_mask is not None or cache is not None or document_ids is not None:
             key_length = cache.begin(seqlen) if cache is not None else past + seqlen
-            mask = build_attention_mask(attention_mask, bsz, seqlen, past, input_ids.device, key_length)
+            mask = build_attention_mask(attention_mask, bsz, seqlen, past, input_ids.device, key_length, document_ids)
             if cache is not None:  # additive once per step, rather than converted from bool by every attention call
                 mask = torch.zeros(mask.shape, dtype=cos.dtype, device=mask.device).masked_fill_(~mask, -math.inf)
         return AttentionContext(cos=cos, sin=sin, mask=mask, cache=cache)
@@ -435,12 +444,14 @@ def build_attention_mask(
     past: int,
     device: torch.device,
     key_length: int | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean (B, 1, T, key_length): causal, padding keys hidden, each query always sees itself.
 
     key_length (default past + T) may exceed past + T (a preallocated cache's buffer): the causal
     condition hides the columns not yet written. Letting a padding query see itself keeps its softmax
-    finite; no real token ever attends to it.
+    finite; no real token ever attends to it. document_ids (B, T), without a past: keys of other
+    documents hidden too (block-diagonal causal).
     """
     total = past + seqlen if key_length is None else key_length
     query_pos = torch.arange(past, past + seqlen, device=device)[:, None]
@@ -449,4 +460,13 @@ def build_attention_mask(
     if attention_mask is not None:
         keys = attention_mask.bool()[:, :total]
         mask = mask & F.pad(keys, (0, total - keys.shape[1]))[:, None, None, :]
+    if document_ids is not None:
+        mask = mask & (document_ids[:, None, :, None] == document_ids[:, None, None, :])
     return mask | (key_pos == query_pos)
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) RoPE positions that restart at 0 where a row's document id changes."""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    starts = F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0), value=True)
+    return index - torch.where(starts, index, 0).cummax(dim=-1).values

@@ -216,6 +216,15 @@ def attention_flops_per_token(args: ModelArgs, seq_len: int) -> float:
     return 4 * seq_len * args.n_heads * args.head_dim
 
 
+def document_masking_note() -> str:
+    """What the FLOP counts mean under training.attention_mask = "document" (they do not change)."""
+    return (
+        "document masking on (training.attention_mask = 'document'): each packed document attends only to itself, "
+        "RoPE positions restart per document; attention FLOPs are still counted over the full T x T square: "
+        "documents of lengths L_i need only sum(L_i^2) of it in principle, but the dense SDPA mask computes all of it"
+    )
+
+
 def _block_flops(args: ModelArgs, seq_len: int) -> float:
     return 2 * _block_matmul_params(args) + attention_flops_per_token(args, seq_len)
 

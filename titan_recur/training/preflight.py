@@ -288,6 +288,8 @@ def plan_lines(
             f"of the steps, backprop depth {r.backprop_depth}; each micro-step samples n no-grad + k grad "
             f"iterations, E[n + k] = r{' + 1' if r.mean_offset else ''}"
         )
+    if t.attention_mask == "document":
+        lines.append(f"attention: {cost_model.document_masking_note()}")
     lines.append(
         f"training FLOPs: paper {paper:.4e}, full {full:.4e}"
         + ("" if exact else f" (from {PLAN_DRAWS:,} sampled draws; tools/flops.py replays all)")

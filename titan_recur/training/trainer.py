@@ -60,7 +60,7 @@ from titan_recur.training.optim import build_optimizers, clip_coefficient, grad_
 from titan_recur.training.parallelize import build_dp_mesh, forward_autocast
 from titan_recur.training.profiling import PhaseTimer, StepProfiler
 from titan_recur.training.recurrence import RecurrenceSchedule
-from titan_recur.training.validation import Validator
+from titan_recur.training.validation import Validator, batch_document_ids
 from titan_recur.training.watchdog import StepWatchdog, heartbeat_store
 
 # Exit codes (docs/checkpointing.md). After SIGTERM/SIGUSR1 with the checkpoint written: Slurm scripts
@@ -176,7 +176,9 @@ class Trainer:
         self.optimizers = build_optimizers(self.model, cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.schedule = RecurrenceSchedule.from_config(cfg.recurrence, cfg.training.steps)
         geometry = LoaderGeometry.of_run(cfg, self.dist.rank, self.dp_world, self.grad_accum)
-        self.dataloader = build_dataloader(cfg.data, self.tokenizer, geometry)
+        self.dataloader = build_dataloader(
+            cfg.data, self.tokenizer, geometry, attention_mask=cfg.training.attention_mask
+        )
         self.validator = Validator(cfg, self.tokenizer, self.dist.rank, self.dp_world, self.dist.device)
         self.step = 0
         self.progress = TrainProgress()
@@ -396,11 +398,14 @@ class Trainer:
         t = self.cfg.training
         input_ids = batch["input_ids"].to(self.dist.device, non_blocking=True)
         labels = batch["labels"].to(self.dist.device, non_blocking=True)
+        documents = batch_document_ids(batch, self.dist.device)
         with (
             self.phases.phase("forward"),
             forward_autocast(self.dist.device.type, t.mixed_precision_param, t.mixed_precision_mode),
         ):
-            loss_sum = self.model(input_ids, (n, k), labels=labels, loss_chunk_tokens=t.loss_chunk_tokens)
+            loss_sum = self.model(
+                input_ids, (n, k), labels=labels, loss_chunk_tokens=t.loss_chunk_tokens, document_ids=documents
+            )
         if self.step == self.cfg.debug.inject_nan_at_step:
             loss_sum = loss_sum * float("nan")
         if self.step == self.cfg.debug.inject_spike_at_step:

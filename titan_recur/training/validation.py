@@ -41,8 +41,8 @@ def validation_loss_sums(
 
     The loss is chunked over tokens (no full logits held; without grad that costs nothing extra).
 
-    ``batches`` yield {"input_ids", "labels"} (labels already shifted, -100 ignored), as the data
-    loader does. Works on a plain or FSDP-sharded model (every rank must call it: it only calls
+    ``batches`` yield {"input_ids", "labels"} (labels already shifted, -100 ignored) and, under document
+    masking, "document_ids", as the data loader does. Works on a plain or FSDP-sharded model (every rank must call it: it only calls
     ``model(...)``); all-reduce the sums and counts across ranks, then ``mean_losses``.
     """
     recurrences = check_recurrences(recurrences)
@@ -53,10 +53,24 @@ def validation_loss_sums(
         tokens += int(count_labels(batch["labels"]))
         input_ids = batch["input_ids"].to(device, non_blocking=True)
         labels = batch["labels"].to(device, non_blocking=True)
+        documents = batch_document_ids(batch, device)
         for r in recurrences:
-            loss = model(input_ids, r, state_init=state_init, labels=labels, loss_chunk_tokens=loss_chunk_tokens)
+            loss = model(
+                input_ids,
+                r,
+                state_init=state_init,
+                labels=labels,
+                loss_chunk_tokens=loss_chunk_tokens,
+                document_ids=documents,
+            )
             sums[r] += loss.double()
     return {r: (float(total), tokens) for r, total in sums.items()}
+
+
+def batch_document_ids(batch: dict[str, torch.Tensor], device: torch.device | str) -> torch.Tensor | None:
+    """A batch's document ids on ``device``; None where the loader gave none (causal attention)."""
+    documents = batch.get("document_ids")
+    return None if documents is None else documents.to(device, non_blocking=True)
 
 
 def mean_losses(sums: dict[int, tuple[float, int]]) -> dict[int, float]:
@@ -80,6 +94,7 @@ class Validator:
         self.geometry = LoaderGeometry.of_run(cfg, dp_rank, dp_world)
         self.device = device
         self.loss_chunk_tokens = t.loss_chunk_tokens
+        self.attention_mask = t.attention_mask
 
     def due(self, step: int, last_step: int) -> bool:
         return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
@@ -90,7 +105,12 @@ class Validator:
         no labelled token (prompts only): the same at every validation, so not an error that stops training."""
         with torch.random.fork_rng(devices=[]):  # the loader's seed draw must not shift the training RNG
             batches = itertools.islice(
-                iter(build_dataloader(self.data, self.tokenizer, self.geometry, split="validation")), self.cfg.steps
+                iter(
+                    build_dataloader(
+                        self.data, self.tokenizer, self.geometry, split="validation", attention_mask=self.attention_mask
+                    )
+                ),
+                self.cfg.steps,
             )
             sums = validation_loss_sums(
                 model, batches, self.cfg.recurrences, self.device, loss_chunk_tokens=self.loss_chunk_tokens
