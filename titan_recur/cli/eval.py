@@ -31,11 +31,11 @@ from titan_recur.cli.kit import (
     add_record_arguments,
     float_list,
     int_list,
+    run_command,
 )
 from titan_recur.config import TEXT_SOURCE_KINDS
 from titan_recur.inference.exit_criteria import describe_criteria
 from titan_recur.models.args import STATE_INITS
-from titan_recur.storage.checkpoint import CheckpointError
 from titan_recur.storage.model_io import check_output_files
 from titan_recur.utils.limits import (
     check_allocation,
@@ -45,6 +45,7 @@ from titan_recur.utils.limits import (
     forward_bytes,
 )
 
+PROG = "python -m titan_recur.eval"
 DEFAULT_RECURRENCES = "1,2,4,8,16,32"
 DATA_BATCH_SIZE, DATA_SEQ_LEN = 8, 1024
 # --data-ranks reads the data once per rank (each rank's loader keeps every N-th document): 4096 is far past the
@@ -61,9 +62,7 @@ def check_out(out: Path, files: list[str], force: bool, is_own, kind: str) -> No
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="python -m titan_recur.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
     loss = commands.add_parser("loss", help="held-out loss at each test recurrence: JSON + PNG plot")
@@ -411,15 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         run_lm_eval(argv[1:])
         return 0
     args = build_parser().parse_args(argv)
-    try:
-        {"loss": run_loss, "heldout": run_heldout, "harness": run_harness}[args.command](args)
-    except (ValueError, FileNotFoundError, ImportError, CheckpointError) as err:
-        print(f"python -m titan_recur.eval {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:  # writing the results (a full disk): none of them is left half written
-        print(f"python -m titan_recur.eval {args.command}: error: {err}", file=sys.stderr)
-        return 1
-    return 0
+    run = {"loss": run_loss, "heldout": run_heldout, "harness": run_harness}[args.command]
+    return run_command(f"{PROG} {args.command}", lambda: run(args))
 
 
 if __name__ == "__main__":

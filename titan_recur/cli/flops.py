@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
-from titan_recur.cli.kit import OneLineParser
-from titan_recur.config import ConfigError, Recurrence, Training, load_config
+from titan_recur.cli.kit import OneLineParser, run_command
+from titan_recur.config import Recurrence, Training, load_config
 from titan_recur.models.args import CURRICULUM_KINDS, PRESETS, ModelArgs
 from titan_recur.storage.model_io import read_model_args
 from titan_recur.training.cost_model import (
@@ -29,6 +30,7 @@ from titan_recur.training.cost_model import (
 )
 from titan_recur.training.recurrence import Curriculum, RecurrenceSchedule
 
+PROG = "titan-recur-flops"
 # Flags that describe the run, and the config keys that take their place under --config.
 SCHEDULE_FLAGS = {
     "preset": "model.preset",
@@ -121,7 +123,7 @@ class Setup:
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(
-        prog="flops.py",
+        prog=PROG,
         description=__doc__,
         allow_abbrev=False,
         epilog=EPILOG,
@@ -457,19 +459,17 @@ def print_text(out: dict) -> None:
             print(f"matched: steps of {t['other']} costing the same FLOPs")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    ns, extra = parser.parse_known_args(argv)
-    try:
-        setup = resolve_flags(ns, extra)
-        out = report(ns, setup)
-    except (ValueError, ConfigError, FileNotFoundError) as e:
-        parser.error(str(e))
-    if ns.json:
+def main(argv: list[str] | None = None) -> int:
+    ns, extra = build_parser().parse_known_args(argv)
+    return run_command(PROG, lambda: show(report(ns, resolve_flags(ns, extra)), ns.json))
+
+
+def show(out: dict[str, Any], as_json: bool) -> None:
+    if as_json:
         print(json.dumps(out))
     else:
         print_text(out)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
