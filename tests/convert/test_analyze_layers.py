@@ -236,7 +236,7 @@ def not_llama(folder: Path) -> Path:
     [
         ("olmo2", ["--recommend", "3,2,2"], "shape 3,2,2 needs 7 layers; the source has 6"),
         ("olmo2", ["--recommend", "2,0,2"], "the core is empty"),
-        ("olmo2", ["--recommend", "4x4"], "bad shape '4x4'"),
+        ("olmo2", ["--recommend", "4x4"], "--recommend '4x4': expected P,R,C"),
         ("olmo2", ["--budget", "7"], "budget 7 is larger than the model: the source has 6 layers"),
         ("olmo2", ["--budget", "2"], "budget 2 is too small"),
         ("olmo2", ["--tokens", "0"], "--tokens must be >= 1"),

@@ -328,7 +328,7 @@ def test_cli_json_paper_flops_and_match() -> None:
     "argv, words",
     [
         (["--preset", "tinyllama-1.1b", "--shape", "10,10,10"], ["30 layers", "22"]),
-        (["--preset", "tinyllama-1.1b", "--shape", "4,8"], ["--shape", "3 comma-separated"]),
+        (["--preset", "tinyllama-1.1b", "--shape", "4,8"], ["--shape", "expected P,R,C"]),
         (["--preset", "tinyllama-1.1b", "--steps", "10", "--num-steps", "x"], ["--num-steps"]),
         (["--preset", "tinyllama-1.1b", "--steps", "10", "--match", "nonsense"], ["--match"]),
         (["--steps", "10"], ["give --preset", "--model FOLDER or --config FILE"]),  # no silent default model

@@ -55,8 +55,7 @@ from titan_recur.convert.layer_analysis import (
 )
 from titan_recur.convert.surgery import parse_shape, read_source, resolve_source
 from titan_recur.storage.model_io import check_output_files, raise_naming, write_files_atomically
-from titan_recur.training.validation import check_recurrences
-from titan_recur.utils.limits import check_allocation, check_recurrence_bound, check_seq_len, forward_bytes
+from titan_recur.utils.limits import check_allocation, check_recurrences, check_seq_len, forward_bytes
 
 PROG = "titan-recur-analyze-layers"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -110,7 +109,6 @@ def check_counts(args: argparse.Namespace) -> None:
     if args.measure < 0:
         raise ValueError(f"--measure must be >= 0, got {args.measure}")
     check_recurrences(args.recurrences)
-    check_recurrence_bound(args.recurrences)
 
 
 def output_folder(args: argparse.Namespace) -> Path:
@@ -159,7 +157,7 @@ def run(argv: list[str] | None = None) -> None:
     from titan_recur.eval.sweep import heldout_batches
 
     args = build_parser().parse_args(argv)
-    shape = None if args.recommend is None else parse_shape(args.recommend)
+    shape = None if args.recommend is None else parse_shape(args.recommend, "--recommend")
     check_counts(args)
     require_matplotlib()
     device = resolve_device(args.device)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from titan_recur.cli.kit import OneLineParser, int_list, run_command
 from titan_recur.config import DATA_FORMATS
-from titan_recur.utils.limits import check_at_least, check_recurrence_bound, check_seq_len
+from titan_recur.utils.limits import check_at_least, check_recurrences, check_seq_len
 
 if TYPE_CHECKING:
     from titan_recur.eval.comparison import EvalSettings, Run
@@ -178,7 +178,7 @@ def check_arguments(ns: argparse.Namespace, labels: list) -> None:
     if min(ns.batch_size, ns.max_gen_toks, ns.loss_batches, ns.loss_batch_size) < 1:
         raise ValueError("--batch-size, --max-gen-toks, --loss-batches, --loss-batch-size must be >= 1")
     check_at_least(ns.seq_len, "--seq-len")
-    check_recurrence_bound(ns.recurrences, "--recurrences")
+    check_recurrences(ns.recurrences)
     if ns.world_size is not None and ns.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {ns.world_size}")
     for folder in ns.runs:

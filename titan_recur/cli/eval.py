@@ -40,7 +40,7 @@ from titan_recur.storage.model_io import check_output_files
 from titan_recur.utils.limits import (
     check_allocation,
     check_at_least,
-    check_recurrence_bound,
+    check_recurrences,
     check_seq_len,
     forward_bytes,
 )
@@ -198,10 +198,8 @@ def run_loss(args: argparse.Namespace) -> None:
         rows_settings,
         write_report,
     )
-    from titan_recur.training.validation import check_recurrences
 
     recurrences = check_recurrences(args.recurrences)
-    check_recurrence_bound(recurrences)
     check_out(args.out, [JSON_NAME, PLOT_NAME], args.force, is_loss_report, "an eval loss report")
     for name in ("seq_len", "batches", "batch_size", "data_ranks"):
         check_at_least(getattr(args, name), f"--{name.replace('_', '-')}")
@@ -344,7 +342,8 @@ def run_harness(args: argparse.Namespace) -> None:
     check_out(args.out, [TABLE_JSON, TABLE_MD, CURVE_PNG], args.force, is_harness_output, "an eval harness result")
     model_args = simple_parse_args_string(args.model_args)
     check_harness_model(model_args)  # the model first: a typo in its path is one line, not a dataset search
-    check_recurrence_bound(args.recurrences or [], "--recurrences")
+    if args.recurrences:  # else the model's num_steps
+        check_recurrences(args.recurrences)
     tasks = [t for t in args.tasks.split(",") if t]
     task_manager = TaskManager(include_path=[str(p) for p in (PROJECT_TASKS, *task_folders(tasks), *args.include_path)])
     tasks = check_tasks(tasks, task_manager)  # before the (slow) model load
@@ -388,7 +387,7 @@ def check_harness_model(model_args: dict) -> None:
             "tokenizer=",
         )
     if "num_steps" in model_args:
-        check_recurrence_bound([int(model_args["num_steps"])], "num_steps")
+        check_recurrences([int(model_args["num_steps"])], "num_steps")
 
 
 def run_lm_eval(argv: list[str]) -> None:

@@ -42,7 +42,7 @@ from titan_recur.models.args import ModelArgs
 from titan_recur.models.cache import core_slots_per_block
 from titan_recur.storage.model_io import DTYPES
 from titan_recur.training.cost_model import param_counts
-from titan_recur.utils.limits import check_allocation, check_at_least, check_recurrence_bound, kv_cache_bytes
+from titan_recur.utils.limits import check_allocation, check_at_least, check_recurrences, kv_cache_bytes
 
 PROG = "python -m titan_recur.generate"
 
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.lookahead is not None and args.draft_steps is None:
         raise ValueError("--lookahead needs --draft-steps (speculative decoding); without it there is no draft")
     if args.num_steps is not None:
-        check_recurrence_bound([args.num_steps], "--num-steps")
+        check_recurrences([args.num_steps], "--num-steps")
     if args.dtype not in DTYPES:
         raise ValueError(f"unknown --dtype {args.dtype!r}; choose from {', '.join(DTYPES)}")
     texts = read_prompts(args)

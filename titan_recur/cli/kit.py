@@ -51,7 +51,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def int_list(text: str) -> list[int]:
-    """'1,2,4' -> [1, 2, 4]; bounds are each command's (e.g. ``check_recurrence_bound``)."""
+    """'1,2,4' -> [1, 2, 4]; bounds are each command's (e.g. ``utils.limits.check_recurrences``)."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:

@@ -15,7 +15,7 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable
 
 from titan_recur.eval.lm_eval_model import TitanRecurLM
-from titan_recur.training.validation import check_recurrences
+from titan_recur.utils.limits import check_recurrences
 from titan_recur.utils.plots import figure_vs_r, pyplot, save_figure
 from titan_recur.utils.resources import project_folder
 
