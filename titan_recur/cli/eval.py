@@ -318,13 +318,11 @@ def run_heldout(args: argparse.Namespace) -> None:
 
 def run_harness(args: argparse.Namespace) -> None:
     try:
-        from lm_eval.tasks import TaskManager
         from lm_eval.utils import simple_parse_args_string
     except ImportError:
         raise ImportError("the harness needs lm-eval-harness: pip install -e '.[eval]'") from None
     from titan_recur.eval.harness import (
         CURVE_PNG,
-        PROJECT_TASKS,
         TABLE_JSON,
         TABLE_MD,
         check_task_data,
@@ -334,7 +332,7 @@ def run_harness(args: argparse.Namespace) -> None:
         markdown_table,
         plot_accuracy,
         results_table,
-        task_folders,
+        task_manager,
         write_results,
     )
     from titan_recur.eval.lm_eval_model import TitanRecurLM
@@ -345,9 +343,9 @@ def run_harness(args: argparse.Namespace) -> None:
     if args.recurrences:  # else the model's num_steps
         check_recurrences(args.recurrences)
     tasks = [t for t in args.tasks.split(",") if t]
-    task_manager = TaskManager(include_path=[str(p) for p in (PROJECT_TASKS, *task_folders(tasks), *args.include_path)])
-    tasks = check_tasks(tasks, task_manager)  # before the (slow) model load
-    check_task_data(tasks, task_manager)  # each task's dataset, before the model load too
+    index = task_manager(tasks, args.include_path)
+    tasks = check_tasks(tasks, index)  # before the (slow) model load
+    check_task_data(tasks, index)  # each task's dataset, before the model load too
     try:
         lm = TitanRecurLM(**model_args)
     except TypeError as err:  # an unknown key in --model_args
@@ -356,7 +354,7 @@ def run_harness(args: argparse.Namespace) -> None:
         lm,
         tasks,
         args.recurrences or [lm.num_steps],
-        task_manager,
+        index,
         exit_thresholds=args.exit_thresholds,
         num_fewshot=args.num_fewshot,
         limit=args.limit,

@@ -49,6 +49,13 @@ def is_task_file(task: str) -> bool:
     return task.endswith((".yaml", ".yml")) and Path(task).is_file()
 
 
+def task_manager(tasks: Sequence[str], include_path: Sequence[str], include_defaults: bool = True) -> TaskManager:
+    """The harness task index of every command: the project's tasks/, the folders of the YAML-file tasks and the
+    extra include paths (with lm_eval's own tasks unless ``include_defaults`` is False)."""
+    folders = [str(PROJECT_TASKS), *task_folders(tasks), *map(str, include_path)]
+    return TaskManager(include_path=folders, include_defaults=include_defaults)
+
+
 def task_folders(tasks: Sequence[str]) -> list[str]:
     """The folders of the YAML-file tasks: a task manager indexes them, so a group file's member tasks resolve."""
     return sorted({str(Path(t).resolve().parent) for t in tasks if is_task_file(t)})
