@@ -64,7 +64,18 @@ def check_out(out: Path, files: list[str], force: bool, is_own, kind: str) -> No
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
+    add_loss_parser(commands)
+    add_heldout_parser(commands)
+    add_harness_parser(commands)
+    commands.add_parser(
+        "lm_eval",
+        add_help=False,
+        help="lm_eval's own command line (all its options), with --model titan_recur registered",
+    )
+    return parser
 
+
+def add_loss_parser(commands: argparse._SubParsersAction) -> None:
     loss = commands.add_parser("loss", help="held-out loss at each test recurrence: JSON + PNG plot")
     add_checkpoint_arguments(loss)
     data = loss.add_mutually_exclusive_group(required=True)
@@ -104,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_force(loss, "validation_loss.{json,png}")
     _add_model_options(loss)
 
+
+def add_heldout_parser(commands: argparse._SubParsersAction) -> None:
     heldout = commands.add_parser("heldout", help="write held-out documents as jsonl (for eval loss --data)")
     source = heldout.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="train config TOML (or a run's config.json): its validation split")
@@ -121,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     heldout.add_argument("--out", required=True, type=Path, help='jsonl file to write ({"text": ...} per line)')
     add_force(heldout, "the jsonl file")
 
+
+def add_harness_parser(commands: argparse._SubParsersAction) -> None:
     harness = commands.add_parser("harness", help="lm-eval-harness tasks at each test recurrence, one model load")
     harness.add_argument(
         "--model-args",
@@ -161,13 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
         "accuracy_vs_r.png (without --exit-thresholds)",
     )
     add_force(harness, "the results and tables")
-
-    commands.add_parser(
-        "lm_eval",
-        add_help=False,
-        help="lm_eval's own command line (all its options), with --model titan_recur registered",
-    )
-    return parser
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
