@@ -20,8 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from prepare_data import parse_args, prepare  # tools/ is on sys.path when run as a script
-
+from titan_recur.cli.prepare_data import parse_args, prepare
 from titan_recur.config import Data, DataSource
 from titan_recur.data.loader import LoaderGeometry, build_dataloader
 from titan_recur.data.tokenizer import load_tokenizer

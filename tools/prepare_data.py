@@ -2,7 +2,6 @@
 
 import sys
 
-from titan_recur.cli.prepare_data import *  # noqa: F403  (its functions, for scripts that import this file)
 from titan_recur.cli.prepare_data import main
 
 if __name__ == "__main__":

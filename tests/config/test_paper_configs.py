@@ -27,7 +27,6 @@ except ModuleNotFoundError:  # Python < 3.11
 
 from tests.tiny_models import tiny_args
 from tests.tiny_models import tiny_model as shared_tiny_model
-from tests.torchrun_util import load_tool
 from titan_recur.config import Recurrence, config_from_dict, config_to_dict, load_config, parse_args
 from titan_recur.models.args import PRESETS
 from titan_recur.models.model import RecurrentLM
@@ -307,11 +306,15 @@ def test_data(name):
 
 
 def convert_tool():
-    return load_tool("convert_hf")
+    from titan_recur.cli import convert
+
+    return convert
 
 
 def flops_tool():
-    return load_tool("flops")
+    from titan_recur.cli import flops
+
+    return flops
 
 
 def check_convert_command(argv: list[str], preset: str, shape: tuple[int, int, int], output: str):

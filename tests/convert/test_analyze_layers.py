@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.torchrun_util import load_tool
+from titan_recur.cli import analyze_layers, convert
 from titan_recur.cli.eval import main as eval_main
 from titan_recur.convert.layer_analysis import (
     InMemoryWeights,
@@ -39,8 +39,8 @@ NEAR_IDENTITY_TENSORS = {
 }
 
 
-ANALYZE = load_tool("analyze_layers")
-CONVERT = load_tool("convert_hf")
+ANALYZE = analyze_layers
+CONVERT = convert
 
 
 def near_identity_copy(asset: str, layers: list[int], folder: Path) -> Path:
@@ -236,7 +236,7 @@ def not_llama(folder: Path) -> Path:
     [
         ("olmo2", ["--recommend", "3,2,2"], "shape 3,2,2 needs 7 layers; the source has 6"),
         ("olmo2", ["--recommend", "2,0,2"], "the core is empty"),
-        ("olmo2", ["--recommend", "4x4"], "bad shape '4x4'"),
+        ("olmo2", ["--recommend", "4x4"], "--recommend '4x4': expected P,R,C"),
         ("olmo2", ["--budget", "7"], "budget 7 is larger than the model: the source has 6 layers"),
         ("olmo2", ["--budget", "2"], "budget 2 is too small"),
         ("olmo2", ["--tokens", "0"], "--tokens must be >= 1"),
@@ -250,7 +250,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(olmo2_1_2, tmp_path, ca
     assert ANALYZE.main([str(folder), *CALIBRATION, *args, "--out", str(out)]) == 2
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and message in captured.err, captured.err
-    assert captured.err.startswith("analyze_layers.py: error: ") and not out.exists()
+    assert captured.err.startswith("titan-recur-analyze-layers: error: ") and not out.exists()
 
 
 def test_a_full_disk_leaves_nothing_and_the_rerun_writes(olmo2_1_2, tmp_path, capsys):

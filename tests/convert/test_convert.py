@@ -504,7 +504,7 @@ def test_cli_errors_are_one_line_and_write_nothing(tiny_hf_checkpoint, tmp_path)
     (tmp_path / "existing" / "file").write_text("x")
     result = run_cli(source, tmp_path / "out", "--shape", "4,4,2")
     assert result.returncode == 2
-    assert result.stderr.splitlines() == ["convert_hf.py: error: shape 4,4,2 needs 10 layers; the source has 6"]
+    assert result.stderr.splitlines() == ["titan-recur-convert: error: shape 4,4,2 needs 10 layers; the source has 6"]
     result = run_cli(source, tmp_path / "existing", "--shape", "2,2,2")
     assert result.returncode == 2 and "pass --force" in result.stderr and len(result.stderr.splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"]

@@ -13,15 +13,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.tiny_models import edited_source
-from tests.torchrun_util import load_tool
+from titan_recur.cli import analyze_layers, convert
 from titan_recur.convert.surgery import SourceModel
 from titan_recur.models.families import FAMILIES
 
 REPO = Path(__file__).resolve().parents[2]
 # tools/analyze_layers.py's calibration: 4 rows of 32 tokens.
 CALIBRATION = ["--data", str(REPO / "assets" / "corpus" / "general.jsonl"), "--seq-len", "32", "--tokens", "128"]
-ANALYZE = load_tool("analyze_layers")
-CONVERT = load_tool("convert_hf")
+ANALYZE = analyze_layers
+CONVERT = convert
 # A tiny source's shapes (tests/conftest.py's), 6 layers; its positions (256) are longer than the windows below.
 TINY = dict(
     vocab_size=512,
@@ -117,13 +117,12 @@ BAD_CONFIGS = {
 
 
 def run_convert(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
-    """tools/convert_hf.py in this process, as its console script runs it: its exit code."""
-    monkeypatch.setattr(sys, "argv", ["convert_hf.py", *argv])
+    """The convert command in this process, as its console script runs it: its exit code."""
+    monkeypatch.setattr(sys, "argv", ["titan-recur-convert", *argv])
     try:
-        CONVERT.main()
+        return CONVERT.main()
     except SystemExit as exit:
         return int(exit.code or 0)
-    return 0
 
 
 @pytest.mark.parametrize("command", ["convert", "analyze"])

@@ -12,13 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from tests.data_util import SEQ_LEN, full_rows, make_docs, resume_config, take, write_jsonl
-from tests.torchrun_util import REPO_ROOT, WORKERS_DIR, load_tool, run_torchrun
+from tests.torchrun_util import REPO_ROOT, WORKERS_DIR, run_torchrun
+from titan_recur.cli import prepare_data
 from titan_recur.config import Data, DataPhase, DataSource
 from titan_recur.data.loader import LoaderGeometry, _dataset_states, build_dataloader, check_data_config
 from titan_recur.data.tokenizer import check_vocab
-
-# tools/prepare_data.py, imported by name so that its process pool can pickle its functions
-prepare_data = load_tool("prepare_data", module_name="prepare_data")
 
 
 def is_math(tok, row: list[int]) -> bool:

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cli_util import exit_code
 from tests.torchrun_util import load_tool
+from titan_recur.cli import compare as compare_command
 from titan_recur.data.tokenizer import load_tokenizer
 from titan_recur.eval.comparison import EvalSettings, compare, read_run
 from titan_recur.inference.engine import greedy_generate
@@ -138,7 +140,8 @@ def test_pipeline_stages_and_matched_steps(mini: Path, report: dict) -> None:
 
 def test_flops_equal_tools_flops_and_the_paper_formula(mini: Path, report: dict, capsys: pytest.CaptureFixture) -> None:
     """Every evaluated step of both runs: the report's FLOPs are what tools/flops.py prints for the run's config."""
-    flops_tool = load_tool("flops")
+    from titan_recur.cli import flops as flops_tool
+
     for run in report["runs"]:
         config = Path(run["folder"]) / "config.json"
         for point in run["points"]:
@@ -281,20 +284,18 @@ def test_in_process_loss_only_with_progress(mini: Path) -> None:
     ],
 )
 def test_cli_errors_are_one_line(mini, tmp_path, capsys, argv: list[str], words: list[str]) -> None:
-    tool = load_tool("compare")
+    tool = compare_command
     data = str(mini / "task" / "validation.jsonl")
     argv = [a.replace("{static}", str(mini / "runs" / "static_x1_s0")).replace("{data}", data) for a in argv]
-    with pytest.raises(SystemExit) as exit_info:
-        tool.main([*argv, "--out", str(tmp_path / "out")])
-    assert exit_info.value.code == 2
+    assert exit_code(tool.main, [*argv, "--out", str(tmp_path / "out")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("compare.py: error:"), lines
+    assert len(lines) == 1 and lines[0].startswith("titan-recur-compare: error:"), lines
     assert all(w in lines[0] for w in words), lines[0]
     assert not (tmp_path / "out").exists()
 
 
 def test_cli_prints_the_table(mini, tmp_path, capsys) -> None:
-    tool = load_tool("compare")
+    tool = compare_command
     out = tmp_path / "out"
     assert (
         tool.main(
@@ -389,7 +390,7 @@ def test_a_task_group_yaml_is_accepted(tiny_run: Path, depth_task: Path, tmp_pat
     """--task OUT/perm.yaml, the group make_depth_task.py --help says to pass: its tasks resolve from its folder."""
     out = tmp_path / "out"
     argv = [str(tiny_run), "--task", str(depth_task / "perm.yaml"), "--recurrences", "1", "--max-gen-toks", "2"]
-    assert load_tool("compare").main([*argv, "--out", str(out)]) == 0
+    assert compare_command.main([*argv, "--out", str(out)]) == 0
     scores = json.loads((out / "compare.json").read_text())["runs"][0]["points"][0]["results"]["1"]["tasks"]
     assert {"perm", "perm_6", "perm_7"} <= set(scores)
     assert all(0 <= scores[t][METRIC] <= 1 for t in ("perm_6", "perm_7"))
@@ -406,11 +407,9 @@ def test_a_task_group_yaml_is_accepted(tiny_run: Path, depth_task: Path, tmp_pat
 )
 def test_cli_bounds_are_one_line_before_any_model_loads(tiny_run, tmp_path, capsys, argv, words) -> None:
     data = str(REPO / "assets" / "corpus" / "math.jsonl")
-    with pytest.raises(SystemExit) as exit_info:
-        load_tool("compare").main([str(tiny_run), "--data", data, *argv, "--out", str(tmp_path / "out")])
-    assert exit_info.value.code == 2
+    assert exit_code(compare_command.main, [str(tiny_run), "--data", data, *argv, "--out", str(tmp_path / "out")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("compare.py: error:"), lines
+    assert len(lines) == 1 and lines[0].startswith("titan-recur-compare: error:"), lines
     assert all(w.replace("{run}", str(tiny_run)) in lines[0] for w in words), lines[0]
     assert not (tmp_path / "out").exists()
 
@@ -421,32 +420,29 @@ def test_an_empty_metrics_file_is_refused_not_read_as_one_rank(tiny_run, tmp_pat
     shutil.copytree(tiny_run, run)
     (run / "metrics.jsonl").write_text("")
     data = str(REPO / "assets" / "corpus" / "math.jsonl")
-    with pytest.raises(SystemExit) as exit_info:
-        load_tool("compare").main([str(run), "--data", data, "--out", str(tmp_path / "out")])
-    assert exit_info.value.code == 2
+    assert exit_code(compare_command.main, [str(run), "--data", data, "--out", str(tmp_path / "out")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"{run / 'metrics.jsonl'} has no step records" in lines[0], lines
     assert "--world-size" in lines[0] and not (tmp_path / "out").exists()
     assert read_run(run, world_size=2).world_size == 2
 
 
-def compare_into(run: Path, out: Path, *extra: str) -> None:
-    """compare.py on ``run``: the loss of one row at r=1 into ``out``."""
+def compare_into(run: Path, out: Path, *extra: str) -> int:
+    """The compare command on ``run``: the loss of one row at r=1 into ``out``; its exit code."""
     data = str(REPO / "assets" / "corpus" / "math.jsonl")
     argv = [str(run), "--data", data, "--recurrences", "1", "--loss-batches", "1", "--loss-batch-size", "1"]
-    load_tool("compare").main([*argv, "--seq-len", "16", "--out", str(out), *extra])
+    return exit_code(compare_command.main, [*argv, "--seq-len", "16", "--out", str(out), *extra])
 
 
 def test_out_keeps_an_earlier_result_without_force(tiny_run, tmp_path, capsys) -> None:
     out = tmp_path / "out"
-    compare_into(tiny_run, out)
+    assert compare_into(tiny_run, out) == 0
     first = {p.name: p.read_bytes() for p in out.iterdir()}
     assert {"compare.json", "compare.md", "loss_vs_r.png", "loss_vs_flops.png"} <= set(first)
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        compare_into(tiny_run, out)
+    code = compare_into(tiny_run, out)
     lines = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(lines) == 1, lines
+    assert code == 2 and len(lines) == 1, lines
     assert f"{out / 'compare.json'} exists; pass --force to replace it" in lines[0]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == first
     compare_into(tiny_run, out, "--force")
@@ -455,7 +451,6 @@ def test_out_keeps_an_earlier_result_without_force(tiny_run, tmp_path, capsys) -
     (out / "compare.json").write_text('{"other": 1}\n')
     (tmp_path / "notes.txt").write_text("mine\n")
     for target, words in ((out, "it is not a compare result"), (tmp_path / "notes.txt", "is not a folder")):
-        with pytest.raises(SystemExit):
-            compare_into(tiny_run, target, "--force")
+        assert compare_into(tiny_run, target, "--force") == 2
         assert words in capsys.readouterr().err
     assert (out / "compare.json").read_text() == '{"other": 1}\n' and (tmp_path / "notes.txt").read_text() == "mine\n"

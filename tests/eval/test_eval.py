@@ -15,10 +15,10 @@ import torch.distributed.checkpoint as dcp
 from titan_recur import load_model
 from titan_recur.cli.eval import main as eval_main
 from titan_recur.convert.surgery import ConvertOptions, convert, plan_layers
-from titan_recur.eval import mean_losses, validation_loss_sums
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.storage.checkpoint import ModelState
 from titan_recur.storage.manifest import seal_folder
+from titan_recur.training.validation import mean_losses, validation_loss_sums
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG_MODEL = REPO / "assets" / "tiny_llama_recurrent"

@@ -14,7 +14,6 @@ import torch
 
 from tests.hf_util import BLOCK_TITAN_RECUR, left_padded_batch
 from tests.tiny_models import make_model_dir
-from tests.torchrun_util import load_tool
 from titan_recur import ModelArgs, RecurrentLM, greedy_generate, load_model, save_model
 from titan_recur.convert.surgery import ConvertOptions, convert, plan_layers
 from titan_recur.hf.export import ExportError, export_hf, lm_eval_command, standalone_modeling_source
@@ -286,7 +285,9 @@ def documented_model_args(command: str) -> str:
 
 
 def export_tool():
-    return load_tool("export_hf")
+    from titan_recur.cli import export
+
+    return export
 
 
 @pytest.mark.slow
@@ -309,7 +310,7 @@ def test_export_tool_and_its_errors(recurrent_dir: Path, tmp_path: Path, capsys:
     for message, args in cases.items():
         assert tool.main(args) == 2, message
         err = capsys.readouterr().err.strip().splitlines()[-1]
-        assert err.startswith("export_hf.py: error: ") and message in err, (message, err)
+        assert err.startswith("titan-recur-export: error: ") and message in err, (message, err)
     assert not (tmp_path / "c").exists()
     assert tool.main([str(recurrent_dir), str(out), "--force"]) == 0
 

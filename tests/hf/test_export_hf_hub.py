@@ -122,7 +122,7 @@ def test_a_failed_push_is_one_line_and_keeps_the_export(
     out = tmp_path / "hf"
     assert export_cli.main([str(SOURCE), str(out), "--push-to-hub", "someone/tiny-recurrent"]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("export_hf.py: error: "), lines
+    assert len(lines) == 1 and lines[0].startswith("titan-recur-export: error: "), lines
     assert words in lines[0] and f"hf upload someone/tiny-recurrent {out}" in lines[0], lines[0]
     assert (out / "model.safetensors").is_file()  # the export is kept for a later upload
 

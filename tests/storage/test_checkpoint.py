@@ -40,7 +40,7 @@ from tests.tiny_runs import (
 )
 from tests.torchrun_util import REPO_ROOT, run_torchrun
 from titan_recur.storage.checkpoint import scan_checkpoints
-from titan_recur.training.trainer import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED
+from titan_recur.utils.exit_codes import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP reads here, no process group
 # ---------------------------------------------------------------------------- kill -9 and SIGTERM

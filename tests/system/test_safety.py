@@ -39,8 +39,7 @@ from titan_recur.config import ConfigError, load_config
 from titan_recur.storage.checkpoint import scan_checkpoints, verify_checkpoint
 from titan_recur.storage.manifest import MANIFEST_NAME, IntegrityError
 from titan_recur.storage.model_io import read_model_args, write_model_args
-from titan_recur.training.trainer import EXIT_BAD_INPUT, EXIT_IO_FAILURE, EXIT_NONFINITE
-from titan_recur.training.watchdog import EXIT_STALLED
+from titan_recur.utils.exit_codes import EXIT_BAD_INPUT, EXIT_IO_FAILURE, EXIT_NONFINITE, EXIT_STALLED
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -561,9 +560,9 @@ def test_a_final_export_on_a_full_disk_ends_in_one_line_and_the_rerun_exports(no
 def test_force_replaces_only_a_folder_of_the_tools_own_kind(runs, tiny_hf_checkpoint, tmp_path):
     """export/convert --force onto a trained model or a checkpoint refuse and change nothing."""
     from tests.dist_workers.ckpt_worker import snapshot
+    from titan_recur.cli import convert as convert_hf
+    from titan_recur.cli import export as export_hf
     from titan_recur.convert.surgery import ConversionError
-
-    convert_hf, export_hf = load_tool("convert_hf"), load_tool("export_hf")
 
     trained = tmp_path / "trained"
     shutil.copytree(runs["dirs"]["base"] / "final_model", trained)
@@ -590,9 +589,8 @@ def test_force_replaces_only_a_folder_of_the_tools_own_kind(runs, tiny_hf_checkp
 
 
 def test_conversion_of_a_damaged_source_is_one_line(tiny_hf_checkpoint, tmp_path):
+    from titan_recur.cli import convert as convert_hf
     from titan_recur.convert.surgery import ConversionError
-
-    convert_hf = load_tool("convert_hf")
 
     broken = tmp_path / "broken"
     shutil.copytree(tiny_hf_checkpoint("llama"), broken)
@@ -606,18 +604,16 @@ def test_conversion_of_a_damaged_source_is_one_line(tiny_hf_checkpoint, tmp_path
 
 
 def test_flops_and_eval_bound_their_inputs(runs, tmp_path, capsys):
+    from titan_recur.cli import flops as flops_tool
     from titan_recur.cli.eval import main as eval_main
-
-    flops_tool = load_tool("flops")
 
     for argv, message in (
         (["--at-step", "999999999"], "--at-step must be in [0, 50000]"),
         (["--steps", "999999999"], "steps must be in [1, 1,000,000]"),
         (["--world-size", "0"], "--world-size must be >= 1, got 0"),
     ):
-        with pytest.raises(SystemExit) as exit_info:
-            flops_tool.main(["--preset", "tinyllama-1.1b", *argv])
-        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+        assert flops_tool.main(["--preset", "tinyllama-1.1b", *argv]) == 2
+        assert message in capsys.readouterr().err
     final = str(runs["dirs"]["base"] / "final_model")
     (tmp_path / "a_file").write_text("")
     loss = ["loss", "--checkpoint", final, "--data", str(CORPUS / "general.jsonl")]

@@ -28,7 +28,7 @@ from tests.slurm_cluster import TERMINAL_JOB_STATES, SlurmCluster, clean_env, fr
 from tests.tiny_runs import assert_same_final_model, resumed_step
 from tests.torchrun_util import REPO_ROOT, run_torchrun
 from titan_recur.storage.checkpoint import scan_checkpoints
-from titan_recur.training.trainer import EXIT_PREEMPTED
+from titan_recur.utils.exit_codes import EXIT_PREEMPTED
 
 CONFIG = "train_configs/debug_model.toml"
 # Short and exact: 12 tiny steps, a checkpoint every 2, bit-reproducible kernels.

@@ -13,9 +13,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
+from tests.cli_util import exit_code
 from tests.tiny_models import SMALL
 from tests.tiny_models import tiny_args as shared_tiny_args
-from tests.torchrun_util import load_tool
 from titan_recur.models.args import PRESETS, ModelArgs
 from titan_recur.models.families import BLOCK_TYPES
 from titan_recur.models.loss import cross_entropy_loss
@@ -340,7 +340,7 @@ def test_cli_json_paper_flops_and_match() -> None:
     "argv, words",
     [
         (["--preset", "tinyllama-1.1b", "--shape", "10,10,10"], ["30 layers", "22"]),
-        (["--preset", "tinyllama-1.1b", "--shape", "4,8"], ["--shape", "3 comma-separated"]),
+        (["--preset", "tinyllama-1.1b", "--shape", "4,8"], ["--shape", "expected P,R,C"]),
         (["--preset", "tinyllama-1.1b", "--steps", "10", "--num-steps", "x"], ["--num-steps"]),
         (["--preset", "tinyllama-1.1b", "--steps", "10", "--match", "nonsense"], ["--match"]),
         (["--steps", "10"], ["give --preset", "--model FOLDER or --config FILE"]),  # no silent default model
@@ -348,18 +348,18 @@ def test_cli_json_paper_flops_and_match() -> None:
     ],
 )
 def test_cli_errors_are_one_line(tool, capsys: pytest.CaptureFixture, argv: list[str], words: list[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        tool.main(argv)
-    assert exit_info.value.code == 2
+    assert exit_code(tool.main, argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("flops.py: error:")
+    assert len(lines) == 1 and lines[0].startswith("titan-recur-flops: error:")
     assert all(w in lines[0] for w in words), lines[0]
 
 
 @pytest.fixture(scope="module")
 def tool():
-    """tools/flops.py imported in-process (cheaper than a subprocess per case)."""
-    return load_tool("flops")
+    """The flops command in-process (cheaper than a subprocess per case)."""
+    from titan_recur.cli import flops
+
+    return flops
 
 
 def test_cli_config_batch_and_table(tool, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -377,8 +377,7 @@ def test_cli_config_batch_and_table(tool, tmp_path: Path, capsys: pytest.Capture
     assert [r["step"] for r in rows] == [5 * i for i in range(11)]
     assert rows[-1]["paper_flops"] == pytest.approx(out["paper_flops"])
     assert out["table"]["other"].startswith("tinyllama-1.1b 22,0,0")
-    with pytest.raises(SystemExit):
-        tool.main(["--config", str(config), "--steps", "5"])
+    assert exit_code(tool.main, ["--config", str(config), "--steps", "5"]) == 2
     assert "--config" in capsys.readouterr().err
 
 

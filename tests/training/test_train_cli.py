@@ -17,7 +17,7 @@ import pytest
 from tests.torchrun_util import DEBUG_CONFIG, REPO_ROOT, debug_run_argv, run_torchrun
 from titan_recur.cli.train import main
 from titan_recur.storage.checkpoint import scan_checkpoints
-from titan_recur.training.trainer import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from titan_recur.utils.exit_codes import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 METRIC_KEYS = {
     "step",

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from titan_recur.cli.kit import OneLineParser, add_record_arguments, int_list
+from titan_recur.cli.kit import BAD_INPUT, OneLineParser, add_record_arguments, int_list, run_command
 from titan_recur.convert.layer_analysis import (
     ANGULAR_PLOT,
     INFLUENCE_PLOT,
@@ -53,20 +53,18 @@ from titan_recur.convert.layer_analysis import (
     require_matplotlib,
     shapes_for_budget,
 )
-from titan_recur.convert.surgery import ConversionError, parse_shape, read_source, resolve_source
+from titan_recur.convert.surgery import parse_shape, read_source, resolve_source
 from titan_recur.storage.model_io import check_output_files, raise_naming, write_files_atomically
-from titan_recur.training.validation import check_recurrences
-from titan_recur.utils.limits import check_allocation, check_recurrence_bound, check_seq_len, forward_bytes
+from titan_recur.utils.limits import check_allocation, check_recurrences, check_seq_len, forward_bytes
 
+PROG = "titan-recur-analyze-layers"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # torchdata's StatefulDataLoader calls a deprecated torch API on construction; it would precede every line we print.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="analyze_layers.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="local HF folder (config.json + safetensors) or a hub id (owner/name)")
     parser.add_argument("--revision", help="hub revision (branch, tag or commit) when SOURCE is a hub id")
     data = parser.add_argument_group("calibration data").add_mutually_exclusive_group(required=True)
@@ -111,7 +109,6 @@ def check_counts(args: argparse.Namespace) -> None:
     if args.measure < 0:
         raise ValueError(f"--measure must be >= 0, got {args.measure}")
     check_recurrences(args.recurrences)
-    check_recurrence_bound(args.recurrences)
 
 
 def output_folder(args: argparse.Namespace) -> Path:
@@ -160,7 +157,7 @@ def run(argv: list[str] | None = None) -> None:
     from titan_recur.eval.sweep import heldout_batches
 
     args = build_parser().parse_args(argv)
-    shape = None if args.recommend is None else parse_shape(args.recommend)
+    shape = None if args.recommend is None else parse_shape(args.recommend, "--recommend")
     check_counts(args)
     require_matplotlib()
     device = resolve_device(args.device)
@@ -236,12 +233,8 @@ def write_results(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        run(argv)
-    except (ConversionError, ValueError, OSError, ImportError) as e:  # OSError: missing files, unwritable --out
-        print(f"analyze_layers.py: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    """Any OSError (missing files, an unwritable or full --out) is bad input here: nothing is left written."""
+    return run_command(PROG, lambda: run(argv), bad_input=(*BAD_INPUT, OSError))
 
 
 if __name__ == "__main__":

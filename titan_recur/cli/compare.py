@@ -18,14 +18,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from titan_recur.cli.kit import OneLineParser, int_list
-from titan_recur.config import DATA_FORMATS, ConfigError
-from titan_recur.storage.checkpoint import CheckpointError
-from titan_recur.utils.limits import check_at_least, check_recurrence_bound, check_seq_len
+from titan_recur.cli.kit import OneLineParser, int_list, run_command
+from titan_recur.config import DATA_FORMATS
+from titan_recur.utils.limits import check_at_least, check_recurrences, check_seq_len
 
 if TYPE_CHECKING:
-    from titan_recur.eval.comparison import Run
+    from titan_recur.eval.comparison import EvalSettings, Run
 
+PROG = "titan-recur-compare"
 EPILOG = """\
 examples:
   # a retrofitted run and its compute-matched static baseline, exact match on a task + held-out loss
@@ -47,7 +47,7 @@ replaced only with --force.
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(
-        prog="compare.py",
+        prog=PROG,
         description=__doc__,
         epilog=EPILOG,
         allow_abbrev=False,
@@ -106,14 +106,14 @@ def build_parser() -> OneLineParser:
 
 
 def check_run_folder(folder: Path) -> None:
-    """A model folder (or an HF export) given for a run: say what compare.py wants instead of a config parse error."""
+    """A model folder (or an HF export) given for a run: say what this command wants instead of a config parse error."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return  # read_run names the problem
     if isinstance(config, dict) and ("architectures" in config or "titan_recur" in config):
         raise ValueError(
-            f"{folder} is a model folder (its config.json describes a model), not a training run: compare.py wants "
+            f"{folder} is a model folder (its config.json describes a model), not a training run: {PROG} wants "
             "run folders (a trainer's job.dump_folder: config.json of the run, metrics.jsonl, checkpoints/, "
             "final_model/); to evaluate a model folder use python -m titan_recur.eval loss/harness"
         )
@@ -137,65 +137,80 @@ def progress_bar(total: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    from titan_recur.eval.comparison import EvalSettings, check_out, compare, read_run, task_manager, write_report
+    ns = build_parser().parse_args(argv)
+    return run_command(PROG, lambda: run(ns))
+
+
+def run(ns: argparse.Namespace) -> None:
+    """Check every input before any model is loaded, evaluate the runs, write and print the report."""
+    from titan_recur.eval.comparison import compare, read_run, task_manager, write_report
 
     labels = ns.labels.split(",") if ns.labels else [None] * len(ns.runs)
-    try:
-        check_out(ns.out, ns.force)
-        if len(labels) != len(ns.runs):
-            raise ValueError(f"--labels names {len(labels)} runs, {len(ns.runs)} given")
-        if ns.data and not Path(ns.data).is_file():
-            raise ValueError(f"--data {ns.data}: no such file")
-        if min(ns.batch_size, ns.max_gen_toks, ns.loss_batches, ns.loss_batch_size) < 1:
-            raise ValueError("--batch-size, --max-gen-toks, --loss-batches, --loss-batch-size must be >= 1")
-        check_at_least(ns.seq_len, "--seq-len")
-        check_recurrence_bound(ns.recurrences, "--recurrences")
-        if ns.world_size is not None and ns.world_size < 1:
-            raise ValueError(f"--world-size must be >= 1, got {ns.world_size}")
-        for folder in ns.runs:
-            check_run_folder(Path(folder))
-        runs = [
-            read_run(folder, world_size=ns.world_size, label=label, checkpoints=ns.checkpoints)
-            for folder, label in zip(ns.runs, labels, strict=True)
-        ]
-        if ns.seq_len is not None:
-            check_seq_len_fits(runs, ns.seq_len)
-        settings = EvalSettings(
-            recurrences=ns.recurrences,
-            tasks=[t for t in (ns.task or "").split(",") if t],
-            data=ns.data,
-            text_field=ns.text_field,
-            data_format=ns.data_format,
-            loss_batches=ns.loss_batches,
-            loss_batch_size=ns.loss_batch_size,
-            seq_len=ns.seq_len,
-            batch_size=ns.batch_size,
-            max_gen_toks=ns.max_gen_toks,
-            limit=ns.limit,
-            num_fewshot=ns.num_fewshot,
-            include_path=ns.include_path,
-            device=ns.device,
-        )
-        if not settings.tasks and settings.data is None:
-            raise ValueError("nothing to measure: give --task and/or --data")
-        missing = [t for t in settings.tasks if t.endswith((".yaml", ".yml")) and not Path(t).is_file()]
-        if missing:
-            raise ValueError(f"--task {','.join(missing)}: no such task file")
-        tasks_index = None
-        if settings.tasks:
-            from titan_recur.eval.harness import check_tasks
+    check_arguments(ns, labels)
+    runs = [
+        read_run(folder, world_size=ns.world_size, label=label, checkpoints=ns.checkpoints)
+        for folder, label in zip(ns.runs, labels, strict=True)
+    ]
+    if ns.seq_len is not None:
+        check_seq_len_fits(runs, ns.seq_len)
+    settings = eval_settings(ns)
+    tasks_index = None
+    if settings.tasks:
+        from titan_recur.eval.harness import check_tasks
 
-            tasks_index = task_manager(settings)
-            check_tasks(settings.tasks, tasks_index)
-        report = compare(runs, settings, progress=progress_bar, tasks_index=tasks_index)
-        written = write_report(report, ns.out, ns.metric)
-    except (ValueError, FileNotFoundError, ImportError, CheckpointError, ConfigError) as err:
-        parser.error(str(err))
+        tasks_index = task_manager(settings)
+        check_tasks(settings.tasks, tasks_index)
+    report = compare(runs, settings, progress=progress_bar, tasks_index=tasks_index)
+    written = write_report(report, ns.out, ns.metric)
     print((ns.out / "compare.md").read_text(), end="")
     print("wrote " + ", ".join(str(p) for p in written))
-    return 0
+
+
+def check_arguments(ns: argparse.Namespace, labels: list) -> None:
+    """The flags and run folders, before any run is read."""
+    from titan_recur.eval.comparison import check_out
+
+    check_out(ns.out, ns.force)
+    if len(labels) != len(ns.runs):
+        raise ValueError(f"--labels names {len(labels)} runs, {len(ns.runs)} given")
+    if ns.data and not Path(ns.data).is_file():
+        raise ValueError(f"--data {ns.data}: no such file")
+    if min(ns.batch_size, ns.max_gen_toks, ns.loss_batches, ns.loss_batch_size) < 1:
+        raise ValueError("--batch-size, --max-gen-toks, --loss-batches, --loss-batch-size must be >= 1")
+    check_at_least(ns.seq_len, "--seq-len")
+    check_recurrences(ns.recurrences)
+    if ns.world_size is not None and ns.world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {ns.world_size}")
+    for folder in ns.runs:
+        check_run_folder(Path(folder))
+
+
+def eval_settings(ns: argparse.Namespace) -> EvalSettings:
+    """What to measure on every model; something to measure, and task files that exist."""
+    from titan_recur.eval.comparison import EvalSettings
+
+    settings = EvalSettings(
+        recurrences=ns.recurrences,
+        tasks=[t for t in (ns.task or "").split(",") if t],
+        data=ns.data,
+        text_field=ns.text_field,
+        data_format=ns.data_format,
+        loss_batches=ns.loss_batches,
+        loss_batch_size=ns.loss_batch_size,
+        seq_len=ns.seq_len,
+        batch_size=ns.batch_size,
+        max_gen_toks=ns.max_gen_toks,
+        limit=ns.limit,
+        num_fewshot=ns.num_fewshot,
+        include_path=ns.include_path,
+        device=ns.device,
+    )
+    if not settings.tasks and settings.data is None:
+        raise ValueError("nothing to measure: give --task and/or --data")
+    missing = [t for t in settings.tasks if t.endswith((".yaml", ".yml")) and not Path(t).is_file()]
+    if missing:
+        raise ValueError(f"--task {','.join(missing)}: no such task file")
+    return settings
 
 
 if __name__ == "__main__":

@@ -30,10 +30,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from titan_recur.cli.kit import OneLineParser
+from titan_recur.cli.kit import OneLineParser, run_command
 from titan_recur.convert.surgery import (
     DTYPES,
-    ConversionError,
     ConvertOptions,
     check_output,
     convert,
@@ -46,11 +45,11 @@ from titan_recur.convert.surgery import (
 )
 from titan_recur.models.args import ADAPTER_INITS, STATE_INITS
 
+PROG = "titan-recur-convert"
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="convert_hf.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="local HF folder (config.json + safetensors) or a hub id (owner/name)")
     parser.add_argument("output", type=Path, help="output folder (must not exist or be empty, unless --force)")
     layers = parser.add_argument_group("layer selection")
@@ -141,16 +140,9 @@ def run(argv: list[str] | None = None) -> None:
     print(f"dry run: nothing written to {args.output}" if args.dry_run else f"wrote {args.output}")
 
 
-def main() -> None:
-    try:
-        run()
-    except ConversionError as e:
-        print(f"convert_hf.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as e:  # the output's disk (full, read-only): nothing was written
-        print(f"convert_hf.py: error: {e}", file=sys.stderr)
-        sys.exit(1)
+def main(argv: list[str] | None = None) -> int:
+    return run_command(PROG, lambda: run(argv))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

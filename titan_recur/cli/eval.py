@@ -31,20 +31,21 @@ from titan_recur.cli.kit import (
     add_record_arguments,
     float_list,
     int_list,
+    run_command,
 )
 from titan_recur.config import ATTENTION_MASKS, TEXT_SOURCE_KINDS
 from titan_recur.inference.exit_criteria import describe_criteria
 from titan_recur.models.args import STATE_INITS
-from titan_recur.storage.checkpoint import CheckpointError
 from titan_recur.storage.model_io import check_output_files
 from titan_recur.utils.limits import (
     check_allocation,
     check_at_least,
-    check_recurrence_bound,
+    check_recurrences,
     check_seq_len,
     forward_bytes,
 )
 
+PROG = "python -m titan_recur.eval"
 DEFAULT_RECURRENCES = "1,2,4,8,16,32"
 DATA_BATCH_SIZE, DATA_SEQ_LEN = 8, 1024
 # --data-ranks reads the data once per rank (each rank's loader keeps every N-th document): 4096 is far past the
@@ -61,11 +62,20 @@ def check_out(out: Path, files: list[str], force: bool, is_own, kind: str) -> No
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="python -m titan_recur.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
+    add_loss_parser(commands)
+    add_heldout_parser(commands)
+    add_harness_parser(commands)
+    commands.add_parser(
+        "lm_eval",
+        add_help=False,
+        help="lm_eval's own command line (all its options), with --model titan_recur registered",
+    )
+    return parser
 
+
+def add_loss_parser(commands: argparse._SubParsersAction) -> None:
     loss = commands.add_parser("loss", help="held-out loss at each test recurrence: JSON + PNG plot")
     add_checkpoint_arguments(loss)
     data = loss.add_mutually_exclusive_group(required=True)
@@ -111,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_force(loss, "validation_loss.{json,png}")
     _add_model_options(loss)
 
+
+def add_heldout_parser(commands: argparse._SubParsersAction) -> None:
     heldout = commands.add_parser("heldout", help="write held-out documents as jsonl (for eval loss --data)")
     source = heldout.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="train config TOML (or a run's config.json): its validation split")
@@ -128,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     heldout.add_argument("--out", required=True, type=Path, help='jsonl file to write ({"text": ...} per line)')
     add_force(heldout, "the jsonl file")
 
+
+def add_harness_parser(commands: argparse._SubParsersAction) -> None:
     harness = commands.add_parser("harness", help="lm-eval-harness tasks at each test recurrence, one model load")
     harness.add_argument(
         "--model-args",
@@ -169,13 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_force(harness, "the results and tables")
 
-    commands.add_parser(
-        "lm_eval",
-        add_help=False,
-        help="lm_eval's own command line (all its options), with --model titan_recur registered",
-    )
-    return parser
-
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
@@ -205,10 +212,8 @@ def run_loss(args: argparse.Namespace) -> None:
         rows_settings,
         write_report,
     )
-    from titan_recur.training.validation import check_recurrences
 
     recurrences = check_recurrences(args.recurrences)
-    check_recurrence_bound(recurrences)
     check_out(args.out, [JSON_NAME, PLOT_NAME], args.force, is_loss_report, "an eval loss report")
     for name in ("seq_len", "batches", "batch_size", "data_ranks"):
         check_at_least(getattr(args, name), f"--{name.replace('_', '-')}")
@@ -335,13 +340,11 @@ def run_heldout(args: argparse.Namespace) -> None:
 
 def run_harness(args: argparse.Namespace) -> None:
     try:
-        from lm_eval.tasks import TaskManager
         from lm_eval.utils import simple_parse_args_string
     except ImportError:
         raise ImportError("the harness needs lm-eval-harness: pip install -e '.[eval]'") from None
     from titan_recur.eval.harness import (
         CURVE_PNG,
-        PROJECT_TASKS,
         TABLE_JSON,
         TABLE_MD,
         check_task_data,
@@ -351,7 +354,7 @@ def run_harness(args: argparse.Namespace) -> None:
         markdown_table,
         plot_accuracy,
         results_table,
-        task_folders,
+        task_manager,
         write_results,
     )
     from titan_recur.eval.lm_eval_model import TitanRecurLM
@@ -359,11 +362,12 @@ def run_harness(args: argparse.Namespace) -> None:
     check_out(args.out, [TABLE_JSON, TABLE_MD, CURVE_PNG], args.force, is_harness_output, "an eval harness result")
     model_args = simple_parse_args_string(args.model_args)
     check_harness_model(model_args)  # the model first: a typo in its path is one line, not a dataset search
-    check_recurrence_bound(args.recurrences or [], "--recurrences")
+    if args.recurrences:  # else the model's num_steps
+        check_recurrences(args.recurrences)
     tasks = [t for t in args.tasks.split(",") if t]
-    task_manager = TaskManager(include_path=[str(p) for p in (PROJECT_TASKS, *task_folders(tasks), *args.include_path)])
-    tasks = check_tasks(tasks, task_manager)  # before the (slow) model load
-    check_task_data(tasks, task_manager)  # each task's dataset, before the model load too
+    index = task_manager(tasks, args.include_path)
+    tasks = check_tasks(tasks, index)  # before the (slow) model load
+    check_task_data(tasks, index)  # each task's dataset, before the model load too
     try:
         lm = TitanRecurLM(**model_args)
     except TypeError as err:  # an unknown key in --model_args
@@ -372,7 +376,7 @@ def run_harness(args: argparse.Namespace) -> None:
         lm,
         tasks,
         args.recurrences or [lm.num_steps],
-        task_manager,
+        index,
         exit_thresholds=args.exit_thresholds,
         num_fewshot=args.num_fewshot,
         limit=args.limit,
@@ -403,7 +407,7 @@ def check_harness_model(model_args: dict) -> None:
             "tokenizer=",
         )
     if "num_steps" in model_args:
-        check_recurrence_bound([int(model_args["num_steps"])], "num_steps")
+        check_recurrences([int(model_args["num_steps"])], "num_steps")
 
 
 def run_lm_eval(argv: list[str]) -> None:
@@ -425,15 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         run_lm_eval(argv[1:])
         return 0
     args = build_parser().parse_args(argv)
-    try:
-        {"loss": run_loss, "heldout": run_heldout, "harness": run_harness}[args.command](args)
-    except (ValueError, FileNotFoundError, ImportError, CheckpointError) as err:
-        print(f"python -m titan_recur.eval {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:  # writing the results (a full disk): none of them is left half written
-        print(f"python -m titan_recur.eval {args.command}: error: {err}", file=sys.stderr)
-        return 1
-    return 0
+    run = {"loss": run_loss, "heldout": run_heldout, "harness": run_harness}[args.command]
+    return run_command(f"{PROG} {args.command}", lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from titan_recur.cli.kit import OneLineParser
+from titan_recur.cli.kit import IO_FAILURE, OneLineParser, run_command
 from titan_recur.eval.loading import (
     DTYPES,
     checkpoint_model_args,
@@ -43,13 +43,12 @@ from titan_recur.hf.export import (
     training_run,
 )
 from titan_recur.models.args import STATE_INITS
-from titan_recur.storage.checkpoint import CheckpointError
+
+PROG = "titan-recur-export"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="export_hf.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "checkpoint", help="titan_recur model folder (config.json + model.safetensors) or DCP step folder"
     )
@@ -130,15 +129,8 @@ def read_eval_table(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        run(argv)
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
-        print(f"export_hf.py: error: {e}", file=sys.stderr)
-        return 2
-    except (HubUploadError, OSError) as e:  # a failed upload keeps the export; a full disk writes nothing
-        print(f"export_hf.py: error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    """A failed upload is an I/O failure (exit 1): the export stays written."""
+    return run_command(PROG, lambda: run(argv), io_failure=(*IO_FAILURE, HubUploadError))
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from titan_recur.cli.kit import OneLineParser
-from titan_recur.config import ConfigError, Recurrence, Training, load_config
+from titan_recur.cli.kit import OneLineParser, run_command
+from titan_recur.config import Recurrence, Training, load_config
+from titan_recur.convert.surgery import parse_shape
 from titan_recur.models.args import CURRICULUM_KINDS, PRESETS, ModelArgs
 from titan_recur.storage.model_io import read_model_args
 from titan_recur.training.cost_model import (
@@ -30,6 +32,7 @@ from titan_recur.training.cost_model import (
 )
 from titan_recur.training.recurrence import Curriculum, RecurrenceSchedule
 
+PROG = "titan-recur-flops"
 # Flags that describe the run, and the config keys that take their place under --config.
 SCHEDULE_FLAGS = {
     "preset": "model.preset",
@@ -123,7 +126,7 @@ class Setup:
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(
-        prog="flops.py",
+        prog=PROG,
         description=__doc__,
         allow_abbrev=False,
         epilog=EPILOG,
@@ -208,22 +211,22 @@ def build_parser() -> OneLineParser:
     return p
 
 
-def parse_pair(text: str, what: str, count: int) -> tuple[int, ...]:
-    """'4,8,4' -> (4, 8, 4); ValueError with a readable message otherwise."""
+def parse_num_steps(text: str) -> tuple[int, int]:
+    """--num-steps '24,8' -> (24, 8): n no-grad and k grad iterations."""
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
         values = ()
-    if len(values) != count or min(values) < 0:
-        raise ValueError(f"{what} must be {count} comma-separated integers >= 0, got {text!r}")
-    return values
+    if len(values) != 2 or min(values) < 0:
+        raise ValueError(f"--num-steps must be 2 comma-separated integers >= 0, got {text!r}")
+    return values[0], values[1]
 
 
 def preset_args(name: str, shape: str | None) -> ModelArgs:
     preset = PRESETS[name]
     if shape == "static":
         return preset.model_args(preset.n_layers, 0, 0)
-    return preset.model_args(*(parse_pair(shape, "--shape", 3) if shape else preset.default_shape))
+    return preset.model_args(*(parse_shape(shape) if shape else preset.default_shape))
 
 
 def shape_label(args: ModelArgs) -> str:
@@ -342,9 +345,7 @@ def report(ns: argparse.Namespace, setup: Setup) -> dict:
         raise ValueError(f"steps must be in [1, {MAX_STEPS:,}] (FLOPs are summed step by step), got {setup.steps}")
     if not 0 <= at_step <= setup.steps:
         raise ValueError(f"--at-step must be in [0, {setup.steps}] (the run's steps), got {at_step}")
-    num_steps = (
-        cast(tuple[int, int], parse_pair(ns.num_steps, "--num-steps", 2)) if ns.num_steps else setup.final_num_steps()
-    )
+    num_steps = parse_num_steps(ns.num_steps) if ns.num_steps else setup.final_num_steps()
     other = resolve_other(ns.match, setup, ns.world_size) if ns.match else None
     per_token = training_flops_per_token(setup.args, num_steps, setup.seq_len, setup.ac_mode)
     mean = setup.schedule.mean(setup.steps)
@@ -463,19 +464,17 @@ def print_text(out: dict) -> None:
             print(f"matched: steps of {t['other']} costing the same FLOPs")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    ns, extra = parser.parse_known_args(argv)
-    try:
-        setup = resolve_flags(ns, extra)
-        out = report(ns, setup)
-    except (ValueError, ConfigError, FileNotFoundError) as e:
-        parser.error(str(e))
-    if ns.json:
+def main(argv: list[str] | None = None) -> int:
+    ns, extra = build_parser().parse_known_args(argv)
+    return run_command(PROG, lambda: show(report(ns, resolve_flags(ns, extra)), ns.json))
+
+
+def show(out: dict[str, Any], as_json: bool) -> None:
+    if as_json:
         print(json.dumps(out))
     else:
         print_text(out)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

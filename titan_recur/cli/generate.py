@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from titan_recur.cli.kit import OneLineParser, add_checkpoint_arguments
+from titan_recur.cli.kit import OneLineParser, add_checkpoint_arguments, run_command
 from titan_recur.data.tokenizer import Tokenizer
 from titan_recur.eval.loading import (
     checkpoint_model_args,
@@ -41,10 +41,9 @@ from titan_recur.inference.exit_criteria import describe_criteria, describe_defa
 from titan_recur.inference.options import GenerationOptions, ResolvedOptions
 from titan_recur.models.args import ModelArgs
 from titan_recur.models.cache import core_slots_per_block
-from titan_recur.storage.checkpoint import CheckpointError
 from titan_recur.storage.model_io import DTYPES
 from titan_recur.training.cost_model import param_counts
-from titan_recur.utils.limits import check_allocation, check_at_least, check_recurrence_bound, kv_cache_bytes
+from titan_recur.utils.limits import check_allocation, check_at_least, check_recurrences, kv_cache_bytes
 
 PROG = "python -m titan_recur.generate"
 
@@ -230,7 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.lookahead is not None and args.draft_steps is None:
         raise ValueError("--lookahead needs --draft-steps (speculative decoding); without it there is no draft")
     if args.num_steps is not None:
-        check_recurrence_bound([args.num_steps], "--num-steps")
+        check_recurrences([args.num_steps], "--num-steps")
     if args.dtype not in DTYPES:
         raise ValueError(f"unknown --dtype {args.dtype!r}; choose from {', '.join(DTYPES)}")
     texts = read_prompts(args)
@@ -303,16 +302,14 @@ def announce_compiles() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     announce_compiles()
-    try:
-        report = run(args)
-    except (ValueError, FileNotFoundError, CheckpointError) as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    if args.json:
+    return run_command(PROG, lambda: show(run(args), args.json))
+
+
+def show(report: dict[str, Any], as_json: bool) -> None:
+    if as_json:
         print(json.dumps(report))
     else:
         print_report(report)
-    return 0
 
 
 if __name__ == "__main__":

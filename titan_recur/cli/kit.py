@@ -1,23 +1,57 @@
-"""What every command's argument parsing shares: errors as one line, list arguments, --force, the model
-arguments that ``eval.loading.load_checkpoint`` takes."""
+"""What every command shares: its main (a failure the user can act on is one line on stderr and an exit code of
+utils/exit_codes.py), errors as one line, list arguments, --force, the model arguments that
+``eval.loading.load_checkpoint`` takes."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 from titan_recur.config import DATA_FORMATS
+from titan_recur.storage.checkpoint import CheckpointError
+from titan_recur.utils.exit_codes import EXIT_BAD_INPUT, EXIT_IO_FAILURE, EXIT_OK
+
+Errors = tuple[type[BaseException], ...]
+# Bad input (exit 2), found before anything is written: titan_recur's errors about an input are ValueErrors
+# (ConfigError, ConversionError, DataError, ExportError, ...) or CheckpointErrors; ImportError is a missing
+# optional extra (lm_eval).
+BAD_INPUT: Errors = (ValueError, FileNotFoundError, NotADirectoryError, ImportError, CheckpointError)
+# An I/O failure (exit 1): the output could not be written (a full disk); nothing is left half written.
+IO_FAILURE: Errors = (OSError,)
+
+
+def error_line(prog: str, message: object) -> str:
+    """The one line of every command's error: its name, then the message with its line breaks joined."""
+    return f"{prog}: error: {' '.join(str(message).split())}\n"
+
+
+def run_command(
+    prog: str, work: Callable[[], object], bad_input: Errors = BAD_INPUT, io_failure: Errors = IO_FAILURE
+) -> int:
+    """Every command's main: run ``work``; a failure the user can act on is one line on stderr and its exit
+    code, any other exception (a bug) its traceback. A command widens a tuple where its own errors need it."""
+    try:
+        work()
+    except bad_input as err:
+        sys.stderr.write(error_line(prog, err))
+        return EXIT_BAD_INPUT
+    except io_failure as err:
+        sys.stderr.write(error_line(prog, err))
+        return EXIT_IO_FAILURE
+    return EXIT_OK
 
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line on stderr (no usage block), exit code 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_BAD_INPUT, error_line(self.prog, message))
 
 
 def int_list(text: str) -> list[int]:
-    """'1,2,4' -> [1, 2, 4]; bounds are each command's (e.g. ``check_recurrence_bound``)."""
+    """'1,2,4' -> [1, 2, 4]; bounds are each command's (e.g. ``utils.limits.check_recurrences``)."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:

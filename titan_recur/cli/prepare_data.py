@@ -52,7 +52,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from titan_recur.cli.kit import OneLineParser
+from titan_recur.cli.kit import BAD_INPUT, OneLineParser, run_command
 from titan_recur.config import DATA_FORMATS, SAMPLE_BY, TEXT_SOURCE_KINDS, DataSource
 from titan_recur.data.loader import (
     LABELS_COLUMN,
@@ -69,6 +69,7 @@ from titan_recur.data.loader import (
 from titan_recur.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_probe
 from titan_recur.utils.limits import check_allocation, check_at_least
 
+PROG = "titan-recur-prepare-data"
 _tokenizer: Tokenizer | None = None
 
 
@@ -86,14 +87,17 @@ def _encoded_chunks(workers: int, tokenizer_folder: str, chunks: Iterator[list])
     inherit a lock another thread held and hang; measured under load when called in-process.
     """
     context = multiprocessing.get_context("forkserver")
-    with ProcessPoolExecutor(workers, context, _init_worker, (tokenizer_folder,)) as pool:
-        in_flight: deque[Future[tuple[np.ndarray, int]]] = deque()
-        for chunk in chunks:
-            in_flight.append(pool.submit(_encode_chunk, chunk))
-            if len(in_flight) >= 2 * workers:
+    try:
+        with ProcessPoolExecutor(workers, context, _init_worker, (tokenizer_folder,)) as pool:
+            in_flight: deque[Future[tuple[np.ndarray, int]]] = deque()
+            for chunk in chunks:
+                in_flight.append(pool.submit(_encode_chunk, chunk))
+                if len(in_flight) >= 2 * workers:
+                    yield in_flight.popleft().result()
+            while in_flight:
                 yield in_flight.popleft().result()
-        while in_flight:
-            yield in_flight.popleft().result()
+    except BrokenProcessPool as err:
+        raise BrokenProcessPool(f"a tokenizer worker process failed: {err}") from err
 
 
 def _encode_chunk(docs: list) -> tuple[np.ndarray, int]:
@@ -280,9 +284,7 @@ def prepare(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> OneLineParser:
-    parser = OneLineParser(
-        prog="prepare_data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", required=True, help="Folder with tokenizer.json or tokenizer.model.")
     parser.add_argument("--path", required=True, help="Local file or glob, or a hub dataset id (--kind hf).")
     parser.add_argument("--kind", choices=TEXT_SOURCE_KINDS, default="jsonl", help="Source format.")
@@ -330,16 +332,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Errors the user can act on (bad flags, --out, unreadable data) are one line, exit code 2."""
-    try:
-        prepare(parse_args(argv))
-    except (ValueError, OSError) as err:  # DataError is a ValueError
-        print(f"prepare_data.py: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
-    except BrokenProcessPool as err:
-        print(f"prepare_data.py: error: a tokenizer worker process failed: {err}", file=sys.stderr)
-        return 1
-    return 0
+    """Any OSError (--out, unreadable data) is bad input here (exit 2); a failed tokenizer worker exit 1."""
+    return run_command(PROG, lambda: prepare(parse_args(argv)), (*BAD_INPUT, OSError), (BrokenProcessPool,))
 
 
 if __name__ == "__main__":

@@ -4,25 +4,20 @@ with the exit code docs/checkpointing.md lists."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
+from typing import NoReturn
 
 import torch.distributed as dist
 
 from titan_recur.config import ConfigError, JobConfig, parse_args
 from titan_recur.data.loader import DataError
 from titan_recur.storage.checkpoint import CheckpointError, CheckpointWriteError
-from titan_recur.training import preflight
-from titan_recur.training.trainer import (
-    EXIT_BAD_INPUT,
-    EXIT_INTERRUPTED,
-    EXIT_IO_FAILURE,
-    EXIT_NONFINITE,
-    NonFiniteError,
-    Trainer,
-)
-from titan_recur.training.watchdog import EXIT_STALLED
+from titan_recur.training import cost_model, preflight
+from titan_recur.training.trainer import NonFiniteError, Trainer
+from titan_recur.utils.exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_IO_FAILURE, EXIT_NONFINITE, EXIT_STALLED
 
 # Bad input found before training (exit 2); FileNotFoundError before its parent OSError (exit 1).
 _BAD_INPUT = (ConfigError, CheckpointError, FileNotFoundError, NotADirectoryError, ValueError)
@@ -30,20 +25,19 @@ _BAD_INPUT = (ConfigError, CheckpointError, FileNotFoundError, NotADirectoryErro
 
 def main(argv: list[str] | None = None) -> int:
     """Train; every failure the user can act on is one line on stderr (prefixed by the rank when several)."""
-    argv = sys.argv[1:] if argv is None else argv
-    force = "--force" in argv  # start over where an earlier run finished (preflight.check_finished_run)
     try:
-        check, argv = preflight.split_check_args([arg for arg in argv if arg != "--force"])
-        cfg = parse_args(argv)
+        flags, rest = TrainFlags().parse_known_args(sys.argv[1:] if argv is None else argv)
+        check = check_options(flags)
+        cfg = parse_args(rest)
     except ConfigError as err:  # the same command line on every rank: said once
         if int(os.environ.get("RANK", 0)) == 0:
             report_error(str(err))
         return EXIT_BAD_INPUT
     if check is not None:
-        return preflight.main_check(cfg, check, force)
+        return preflight.main_check(cfg, check, flags.force)
     trainer = None
     try:
-        trainer = Trainer(cfg, force)
+        trainer = Trainer(cfg, flags.force)
         return trainer.train()
     except KeyboardInterrupt:
         return report_interrupt(trainer)
@@ -59,6 +53,45 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if trainer is not None:
             trainer.close()
+
+
+class TrainFlags(argparse.ArgumentParser):
+    """The trainer's own flags (--force, --check and its options); the rest of the command line is the config's
+    (--config, --section.key VALUE, --help: config.parse_args). Its errors are ConfigErrors, said once."""
+
+    def __init__(self) -> None:
+        super().__init__(add_help=False, allow_abbrev=False)
+        self.add_argument("--force", action="store_true")  # start over where an earlier run finished
+        self.add_argument("--check", action="store_true")
+        self.add_argument("--world-size", type=int)
+        self.add_argument("--assume-mfu", type=float)
+        self.add_argument("--gpu")
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"command line: {message}")
+
+
+def check_options(flags: argparse.Namespace) -> preflight.CheckOptions | None:
+    """--check's options (None without --check, which refuses them); the world size defaults to torchrun's."""
+    given = [
+        f"--{name.replace('_', '-')}"
+        for name in ("world_size", "assume_mfu", "gpu")
+        if getattr(flags, name) is not None
+    ]
+    if not flags.check:
+        if given:
+            raise ConfigError(f"command line: {', '.join(given)} only apply with --check")
+        return None
+    world = flags.world_size if flags.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    mfu = flags.assume_mfu if flags.assume_mfu is not None else preflight.ASSUMED_MFU
+    if world < 1 or not 0 < mfu <= 1:
+        raise ConfigError(f"command line: --world-size must be >= 1 and --assume-mfu in (0, 1], got {world}, {mfu}")
+    if flags.gpu is not None and cost_model.peak_flops(device_name=flags.gpu) is None:
+        names = ", ".join(name.lower() for name, _ in cost_model.PEAK_BF16_FLOPS)
+        raise ConfigError(
+            f"command line: --gpu {flags.gpu!r} is not in the peak table ({names}); set --metrics.peak_flops"
+        )
+    return preflight.CheckOptions(world, mfu, flags.gpu)
 
 
 def exit_code(err: Exception, training: bool) -> int | None:

@@ -9,7 +9,7 @@ from typing import Any
 from titan_recur.config.errors import ConfigError, suggest
 from titan_recur.config.schema import FINAL_MODEL_FOLDER, RECORD_SOURCE_KINDS, Data, JobConfig, Model, Training
 from titan_recur.models.args import PRESETS
-from titan_recur.utils.limits import MAX_RECURRENCE
+from titan_recur.utils.limits import check_recurrences
 
 _AT_LEAST = {
     "training.steps": 1,
@@ -206,15 +206,17 @@ def validate(cfg: JobConfig) -> None:
     _require(dp_shard == -1 or dp_shard >= 1, f"parallel.dp_shard must be -1 or >= 1, got {dp_shard}")
     spike = t.loss_spike_factor
     _require(spike == 0 or spike > 1, f"training.loss_spike_factor must be 0 (off) or > 1, got {spike}")
-    recurrences = cfg.validation.recurrences
-    _require(all(n >= 1 for n in recurrences), f"validation.recurrences must all be >= 1, got {recurrences}")
     # Beyond the bound a step would run until the watchdog called it a stall.
-    for name, values in (("recurrence.mean_recurrence", [r.mean_recurrence]), ("validation.recurrences", recurrences)):
-        bad = [n for n in values if n > MAX_RECURRENCE]
-        _require(
-            not bad,
-            f"{name} {bad[0] if bad else 0} is outside [1, {MAX_RECURRENCE}] (the core iterations a run accepts)",
-        )
+    for name, values in (
+        ("recurrence.mean_recurrence", [r.mean_recurrence]),
+        ("validation.recurrences", cfg.validation.recurrences),
+    ):
+        if not values:
+            continue  # no validation.recurrences: no validation
+        try:
+            check_recurrences(values, name)
+        except ValueError as err:
+            raise ConfigError(f"invalid config: {err}") from None
     peak = cfg.metrics.peak_flops
     _require(peak is None or peak > 0, f"metrics.peak_flops must be > 0, got {peak}")
     _validate_profiling(cfg)

@@ -172,11 +172,14 @@ def parse_layers(text: str) -> list[int]:
     return layers
 
 
-def parse_shape(text: str) -> tuple[int, int, int]:
-    """'4,8,4' -> (4, 8, 4)."""
+def parse_shape(text: str, flag: str = "--shape") -> tuple[int, int, int]:
+    """'4,8,4' -> (4, 8, 4): every command's P,R,C (convert, analyze_layers, flops, the benchmarks)."""
     match = re.fullmatch(r"\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*", text)
     if not match:
-        raise ConversionError(f"bad shape {text!r}: expected P,R,C (prelude, core, coda layer counts) like 4,8,4")
+        raise ConversionError(
+            f"{flag} {text!r}: expected P,R,C, 3 comma-separated integers >= 0 (prelude, core, coda layer counts) "
+            "like 4,8,4"
+        )
     return int(match[1]), int(match[2]), int(match[3])
 
 

@@ -3,7 +3,3 @@
 ``python -m titan_recur.eval {loss,harness}``; see docs/evaluation.md. Importing this package needs
 torch only: lm_eval (the optional ``eval`` extra) is imported by ``lm_eval_model`` and ``harness``.
 """
-
-from titan_recur.training.validation import mean_losses, validation_loss_sums
-
-__all__ = ["mean_losses", "validation_loss_sums"]

@@ -183,15 +183,10 @@ def task_manager(settings: EvalSettings):
     When every task is a YAML file, lm_eval's own index (some 15k tasks, most of a minute to build
     on a small CPU) is left out: only the files' folders and the include paths are indexed.
     """
-    from lm_eval.tasks import TaskManager
+    from titan_recur.eval import harness
 
-    from titan_recur.eval.harness import PROJECT_TASKS, is_task_file, task_folders
-
-    files_only = bool(settings.tasks) and all(is_task_file(t) for t in settings.tasks)
-    return TaskManager(
-        include_path=[str(PROJECT_TASKS), *task_folders(settings.tasks), *settings.include_path],
-        include_defaults=not files_only,
-    )
+    files_only = bool(settings.tasks) and all(harness.is_task_file(t) for t in settings.tasks)
+    return harness.task_manager(settings.tasks, settings.include_path, include_defaults=not files_only)
 
 
 def evaluate_point(

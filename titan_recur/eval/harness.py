@@ -15,7 +15,7 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable
 
 from titan_recur.eval.lm_eval_model import TitanRecurLM
-from titan_recur.training.validation import check_recurrences
+from titan_recur.utils.limits import check_recurrences
 from titan_recur.utils.plots import figure_vs_r, pyplot, save_figure
 from titan_recur.utils.resources import project_folder
 
@@ -47,6 +47,13 @@ _TaskFileLoader.add_multi_constructor("", lambda loader, suffix, node: None)
 
 def is_task_file(task: str) -> bool:
     return task.endswith((".yaml", ".yml")) and Path(task).is_file()
+
+
+def task_manager(tasks: Sequence[str], include_path: Sequence[str], include_defaults: bool = True) -> TaskManager:
+    """The harness task index of every command: the project's tasks/, the folders of the YAML-file tasks and the
+    extra include paths (with lm_eval's own tasks unless ``include_defaults`` is False)."""
+    folders = [str(PROJECT_TASKS), *task_folders(tasks), *map(str, include_path)]
+    return TaskManager(include_path=folders, include_defaults=include_defaults)
 
 
 def task_folders(tasks: Sequence[str]) -> list[str]:

@@ -30,7 +30,7 @@ from titan_recur.eval.loading import default_tokenizer_folder, load_checkpoint, 
 from titan_recur.inference.engine import GenerationOutput, generate, left_pad
 from titan_recur.inference.options import GenerationOptions, ResolvedOptions
 from titan_recur.models.args import WARM_START
-from titan_recur.training.validation import check_recurrences
+from titan_recur.utils.limits import check_recurrences
 
 # GenerationOptions fields that are not model_args: each request gives the token budget (max_gen_toks) and
 # the tokenizer the EOS id; lm-eval's tasks decide greedy or sampled decoding, and titan_recur decodes
@@ -121,7 +121,7 @@ class TitanRecurLM(TemplateLM):
 
     @num_steps.setter
     def num_steps(self, value: int) -> None:
-        self._num_steps = check_recurrences([value])[0]
+        self._num_steps = check_recurrences([value], "num_steps")[0]
         self.generation_options(1)  # every knob checked against this depth now, not mid-evaluation
 
     @property

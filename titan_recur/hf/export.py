@@ -56,6 +56,7 @@ INLINED_MODULES = (
     "titan_recur.utils.limits",
     "titan_recur.inference.decode_program",
     "titan_recur.inference.engine",
+    "titan_recur.storage.manifest_format",
     "titan_recur.hf.modeling_titan_recur",
 )
 # ModelArgs fields that are call defaults of an export, stored at the top level of the HF config.

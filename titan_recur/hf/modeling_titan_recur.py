@@ -1,7 +1,8 @@
 """Hugging Face wrapper of titan_recur's RecurrentLM, for exported folders loaded with trust_remote_code.
 
 An export ships this file with titan_recur's model code, depth sampler and generation engine
-(titan_recur/models/{args,rope,blocks,cache,loss,model,generate}.py, titan_recur/training/recurrence.py) inlined
+(titan_recur/models/{args,rope,blocks,cache,loss,model,generate}.py, titan_recur/training/recurrence.py,
+titan_recur/storage/manifest_format.py) inlined
 above it by ``titan_recur.hf.export`` and the ``titan_recur`` imports below removed, so users need torch
 and transformers (4.57 or 5.x) only and the exported model runs exactly titan_recur's code. See docs/hf.md.
 
@@ -39,13 +40,12 @@ from titan_recur.models.blocks import AttentionContext
 from titan_recur.models.cache import KVCache
 from titan_recur.models.loss import cross_entropy_loss
 from titan_recur.models.model import Decoding, NumSteps, RecurrentLM, resolve_num_steps
+from titan_recur.storage.manifest_format import CHECKSUM, MANIFEST_NAME
 from titan_recur.training.recurrence import DEFAULT_SEED, DEFAULT_SIGMA, RecurrenceSampler
 
 from .configuration_titan_recur import TitanRecurConfig
 
 logger = transformers.logging.get_logger(__name__)
-# The manifest titan_recur writes into every folder it makes (titan_recur/storage/manifest.py's format).
-MANIFEST_NAME, CHECKSUM = "manifest.json", "xxh3_128"
 # The model card of an export, and the line save_pretrained puts at the top of a saved copy's.
 CARD_NAME = "README.md"
 SAVED_NOTICE = "> Saved with `save_pretrained`"

@@ -18,8 +18,8 @@ from typing import Any
 
 import xxhash
 
-MANIFEST_NAME = "manifest.json"
-CHECKSUM = "xxh3_128"
+from titan_recur.storage.manifest_format import CHECKSUM, MANIFEST_NAME
+
 # conversion: tools/convert_hf.py; trained: a run's final_model/; hf_export: tools/export_hf.py;
 # checkpoint: a DCP step folder of a run.
 FOLDER_KINDS = ("conversion", "trained", "hf_export", "checkpoint")

@@ -10,11 +10,9 @@ written. The trainer prints the same plan as its start-up banner.
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 import urllib.parse
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,10 +26,9 @@ from titan_recur.storage.checkpoint import scan_checkpoints
 from titan_recur.storage.model_io import check_output_folder, resolve_model_args
 from titan_recur.training import cost_model
 from titan_recur.training.metrics import format_duration, import_wandb
+from titan_recur.utils.exit_codes import EXIT_BAD_INPUT
 from titan_recur.utils.limits import check_allocation, check_seq_len
 
-# Exit status of a failed check (the trainer's EXIT_BAD_INPUT).
-EXIT_PROBLEMS = 2
 ASSUMED_MFU = 0.4
 # The full convention replays the sampler; a plan samples this many draws spread over the run.
 PLAN_DRAWS = 2000
@@ -44,46 +41,6 @@ class CheckOptions:
     world_size: int = 1
     assume_mfu: float = ASSUMED_MFU
     gpu: str | None = None
-
-
-def split_check_args(argv: Sequence[str]) -> tuple[CheckOptions | None, list[str]]:
-    """Pull ``--check [--world-size N] [--assume-mfu F] [--gpu NAME]`` out of the trainer's argv.
-
-    Without --check the other three are refused (they only mean something for a check). The world
-    size defaults to torchrun's WORLD_SIZE, else 1.
-    """
-    values: dict[str, str] = {}
-    rest, check, i = [], False, 0
-    while i < len(argv):
-        token = argv[i]
-        name, eq, text = token.partition("=")
-        if token == "--check":
-            check = True
-        elif name in ("--world-size", "--assume-mfu", "--gpu"):
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ConfigError(f"command line: {name} needs a value")
-                i, text = i + 1, argv[i + 1]
-            values[name] = text
-        else:
-            rest.append(token)
-        i += 1
-    if not check:
-        if values:
-            raise ConfigError(f"command line: {', '.join(values)} only apply with --check")
-        return None, rest
-    try:
-        world = int(values.get("--world-size", os.environ.get("WORLD_SIZE", "1")))
-        mfu = float(values.get("--assume-mfu", ASSUMED_MFU))
-    except ValueError as err:
-        raise ConfigError(f"command line: --world-size takes an integer, --assume-mfu a number ({err})") from None
-    if world < 1 or not 0 < mfu <= 1:
-        raise ConfigError(f"command line: --world-size must be >= 1 and --assume-mfu in (0, 1], got {world}, {mfu}")
-    gpu = values.get("--gpu")
-    if gpu is not None and cost_model.peak_flops(device_name=gpu) is None:
-        names = ", ".join(name.lower() for name, _ in cost_model.PEAK_BF16_FLOPS)
-        raise ConfigError(f"command line: --gpu {gpu!r} is not in the peak table ({names}); set --metrics.peak_flops")
-    return CheckOptions(world, mfu, gpu), rest
 
 
 def tokenizer_folder(cfg: JobConfig) -> str | None:
@@ -358,7 +315,7 @@ def main_check(cfg: JobConfig, options: CheckOptions, force: bool = False) -> in
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     if problems:
-        return EXIT_PROBLEMS
+        return EXIT_BAD_INPUT
     print(f"[titan_recur] check passed for {options.world_size} rank(s); the plan:")
     for line in lines:
         print(f"  {line}")

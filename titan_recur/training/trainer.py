@@ -62,20 +62,7 @@ from titan_recur.training.profiling import PhaseTimer, StepProfiler
 from titan_recur.training.recurrence import RecurrenceSchedule
 from titan_recur.training.validation import Validator, batch_document_ids
 from titan_recur.training.watchdog import StepWatchdog, heartbeat_store
-
-# Exit codes (docs/checkpointing.md). After SIGTERM/SIGUSR1 with the checkpoint written: Slurm scripts
-# requeue on it.
-EXIT_PREEMPTED = 42
-# Training stopped on a non-finite (or spiking) loss or grad norm (the last checkpoint is the last good state).
-EXIT_NONFINITE = 3
-# Bad input: config, data, or a checkpoint that cannot be used. Nothing was written to the checkpoints.
-EXIT_BAD_INPUT = 2
-# An I/O failure (disk full, ...) while running; the checkpoints written before are intact.
-EXIT_IO_FAILURE = 1
-# A second Ctrl-C (or one before training): stopped at once, nothing of the step saved (128 + SIGINT, as shells).
-EXIT_INTERRUPTED = 130
-# A step did not finish in time (training.step_timeout_s) or a collective timed out / lost a rank:
-# EXIT_STALLED, from titan_recur.training.watchdog.
+from titan_recur.utils.exit_codes import EXIT_PREEMPTED
 
 
 @dataclass

@@ -18,14 +18,7 @@ from titan_recur.data.loader import LoaderGeometry, build_dataloader
 from titan_recur.data.tokenizer import Tokenizer
 from titan_recur.models.loss import count_labels
 from titan_recur.models.model import RecurrentLM
-
-
-def check_recurrences(recurrences: Sequence[int]) -> list[int]:
-    """The recurrences as a list of positive ints, with a clear error otherwise."""
-    bad = [r for r in recurrences if isinstance(r, bool) or not isinstance(r, int) or r < 1]
-    if not recurrences or bad:
-        raise ValueError(f"recurrences must be a non-empty list of integers >= 1, got {list(recurrences)}")
-    return list(recurrences)
+from titan_recur.utils.limits import check_recurrences
 
 
 @torch.no_grad()

@@ -20,8 +20,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-# Exit code of a rank whose watchdog fired, or whose collective timed out (docs/checkpointing.md).
-EXIT_STALLED = 4
+from titan_recur.utils.exit_codes import EXIT_STALLED
+
 # The first step of a launch compiles and warms up: it gets this multiple of the step timeout.
 FIRST_STEP_FACTOR = 3
 _STORE_TIMEOUT_S = 5.0

@@ -31,11 +31,18 @@ def check_seq_len(seq_len: int, max_seq_len: int, flag: str = "--seq-len") -> No
         raise ValueError(f"{flag} {seq_len} exceeds the model's max_seq_len {max_seq_len}")
 
 
-def check_recurrence_bound(recurrences: Sequence[int], flag: str = "--recurrences") -> None:
-    """Every recurrence is in [1, MAX_RECURRENCE]."""
-    bad = [r for r in recurrences if not 1 <= r <= MAX_RECURRENCE]
-    if bad:
-        raise ValueError(f"{flag} {bad[0]} is outside [1, {MAX_RECURRENCE}] (the core iterations a tool accepts)")
+def check_recurrences(recurrences: Sequence[int], flag: str = "--recurrences") -> list[int]:
+    """The recurrences a command, the validation or the lm-eval model runs, as a list: at least one, each an
+    integer in [1, MAX_RECURRENCE]."""
+    if not recurrences:
+        raise ValueError(f"{flag}: recurrences must be a non-empty list of integers")
+    for r in recurrences:
+        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= MAX_RECURRENCE:
+            raise ValueError(
+                f"{flag} {r!r} is outside [1, {MAX_RECURRENCE}]: recurrences must be integers in that range (core "
+                "iterations per token)"
+            )
+    return list(recurrences)
 
 
 def available_memory(device: torch.device) -> int:
