@@ -180,6 +180,7 @@ class DecodeProgram:
         self.token = zeros(rows, width, dtype=torch.long)  # the tokens the next forward reads
         self.position = zeros(rows, width, dtype=torch.long)
         self.column = zeros(width, dtype=torch.long)  # the cache columns the next forward writes
+        self.next_end = capacity  # on the host: the column after the next forward's last
         self.counter = zeros((), dtype=torch.long)  # new tokens chosen so far: indexes the draws
         self.key_bias = torch.full((rows, 1, width, capacity), -math.inf, dtype=dtype, device=device)
         # What the forward's tokens see of their own columns: each itself and the ones before it.
@@ -334,6 +335,7 @@ class DecodeProgram:
             on_hidden_state=last_state if self.warm_start else None,
             decoding=Decoding(cache=self.cache, position_ids=positions, head_positions=1),
         )
+        self.next_end = width + self.width  # the first step writes the column after the prompt's
         self._pin()
         self.key_bias.fill_(-math.inf).masked_fill_(keys[:, None, None, :], 0.0)
         self.position.copy_(positions[:, -1:])
@@ -362,6 +364,7 @@ class DecodeProgram:
             if self.exit is not None and index < leave - 1 and not bool(self.exit.active.any()):
                 break
         self._run_segment(leave)
+        self.next_end += 1  # the token's choice moved the column on (a verify is resumed before each step)
 
     @torch.no_grad()
     def resume(
@@ -380,13 +383,17 @@ class DecodeProgram:
         self.token[:bsz, :n] = tokens
         self.position[:bsz, :n] = positions
         torch.arange(start, start + self.width, out=self.column)
+        self.next_end = start + self.width
         self.key_bias.fill_(-math.inf)[:bsz, :, :, :start].masked_fill_(keys[:, None, None, :start], 0.0)
         self.counter.zero_()
         if uniforms is not None:
             self.uniforms[: uniforms.shape[0], :bsz] = uniforms
 
     def _pin(self) -> None:
-        self.cache.pin(self.column, None if self.exit is None else self.exit.write_rows)
+        """Point the cache's writes at this program's column; an uncompiled step reads only the columns up to
+        the ones it writes (compiled: the whole capacity, for static shapes)."""
+        key_length = None if self.compiled else self.next_end
+        self.cache.pin(self.column, None if self.exit is None else self.exit.write_rows, key_length)
 
     def _run_segment(self, index: int) -> None:
         if self.graphs:

@@ -94,12 +94,32 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, k, ctx.cos, ctx.sin)
+        groups = self.n_heads // self.n_kv_heads
+        mask = ctx.mask
         if ctx.cache is not None:
             k, v = ctx.cache.update(self.slot, k, v)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=ctx.mask, is_causal=ctx.mask is None, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+            if mask is not None and mask.shape[-1] > k.shape[-2]:  # a cache read short of its capacity
+                mask = mask[..., : k.shape[-2]]
+        if ctx.cache is not None and groups > 1:  # decoding: every kernel reads the cache once
+            out = folded_gqa_attention(q, k, v, mask, groups)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=groups > 1)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+def folded_gqa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, groups: int
+) -> torch.Tensor:
+    """Grouped-query attention over a KV cache with each group folded into the query length: queries (B, H, T, D)
+    become (B, H_kv, G x T, D) against the cache's own keys (B, H_kv, S, D). SDPA's ``enable_gqa`` with a mask
+    may take a kernel that repeats K/V per call (the whole cache, every block, every token); folded, every
+    kernel reads the cache once. Query head h uses K/V head h // G, as ``enable_gqa`` does."""
+    bsz, n_heads, seqlen, head_dim = q.shape
+    folded = q.reshape(bsz, n_heads // groups, groups * seqlen, head_dim)
+    if mask is not None:  # (B, 1, T, S): the same for every head of a group
+        mask = mask.unsqueeze(2).expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, groups * seqlen, -1)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask)
+    return out.reshape(bsz, n_heads, seqlen, head_dim)
 
 
 class FeedForward(nn.Module):

@@ -162,13 +162,14 @@ class KVCache:
         self.length = self.key_length = 0
         self.write_rows = None
 
-    def pin(self, column: torch.Tensor, write_rows: torch.Tensor | None = None) -> None:
+    def pin(self, column: torch.Tensor, write_rows: torch.Tensor | None = None, key_length: int | None = None) -> None:
         """Static decoding (inference/decode_program.py): every write goes to the device tensor ``column``
-        (1,), masked by ``write_rows`` (B,) where given, and attention reads the whole capacity, so a
-        decoded token's shapes never change; the caller's key mask hides the columns not yet written."""
+        (1,), masked by ``write_rows`` (B,) where given, and attention reads the whole capacity (a compiled
+        step: its shapes never change), or its first ``key_length`` columns (an uncompiled step: no more
+        than has been written); the caller's key mask hides the columns not yet written."""
         self.write_index = column
         self.write_rows = write_rows
-        self.key_length = self.capacity
+        self.key_length = self.capacity if key_length is None else key_length
 
     def advance(self, seqlen: int) -> None:
         """Mark the step's ``seqlen`` columns written: the next step writes after them."""
