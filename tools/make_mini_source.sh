@@ -3,7 +3,8 @@
 # project's own trainer, and check it before it may be shipped. One process, one thread: a rerun on the same
 # machine gives the same weights; another machine may not (docs/results.md: two perm rebuilds of 2026-12-06).
 #
-#   bash tools/make_mini_source.sh [--out DIR] [--layers N] [--task perm|arith] [--install] [--keep-below-gate]
+#   bash tools/make_mini_source.sh [--out DIR] [--layers N] [--task perm|arith] [--attention-mask causal|document]
+#                                  [--install] [--keep-below-gate]
 #
 # Stages:
 #   1. task      tools/make_depth_task.py: the permutation word problem (perm seed 0), training chains of
@@ -24,7 +25,9 @@
 # --source OUT/hf): rows of 160 tokens, 6,000 steps, and phases 1-1 -> 1-2 (step 1000) -> 1-4 (step 1600)
 # -> 1-6 (step 2400), because a mixture of lengths from the start learns neither length 1 nor 2 (a 1-2
 # start: 0.38 / 0.36 at lengths 1 / 2 after 2,000 steps; 1-1 alone: 0.74 after 1,000), and no marginals
-# stage. --install copies the checked folder to assets/perm_llama (perm, 4 layers only).
+# stage. --attention-mask document pretrains (and post-trains) with training.attention_mask = "document": each
+# packed question attends only to itself (docs/data.md), so a question cannot read another's bindings.
+# --install copies the checked folder to assets/perm_llama (perm, 4 layers only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,6 +36,7 @@ INSTALL=0
 KEEP_BELOW_GATE=0
 LAYERS=4
 TASK=perm
+ATTENTION_MASK=causal
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=${2:?--out needs a folder}; shift ;;
@@ -40,7 +44,8 @@ while [ $# -gt 0 ]; do
     --keep-below-gate) KEEP_BELOW_GATE=1 ;;
     --layers) LAYERS=${2:?--layers needs a number}; shift ;;
     --task) TASK=${2:?--task needs perm or arith}; shift ;;
-    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --attention-mask) ATTENTION_MASK=${2:?--attention-mask needs causal or document}; shift ;;
+    -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "make_mini_source.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -57,6 +62,10 @@ case "$TASK" in
   arith) SEQ_LEN=160 STEPS=6000 PHASES="1-1:20:0 1-2:21:1000 1-4:22:1600 1-6:1:2400" MARGINALS=0 ;;
   *) echo "make_mini_source.sh: error: --task takes perm or arith, got $TASK" >&2; exit 2 ;;
 esac
+if [ "$ATTENTION_MASK" != causal ] && [ "$ATTENTION_MASK" != document ]; then
+  echo "make_mini_source.sh: error: --attention-mask takes causal or document, got $ATTENTION_MASK" >&2
+  exit 2
+fi
 if [ "$INSTALL" = 1 ] && [ "$KEEP_BELOW_GATE" = 1 ]; then
   echo "make_mini_source.sh: error: --install ships the source and needs the gate; not with --keep-below-gate" >&2
   exit 2
@@ -110,6 +119,7 @@ local_batch_size = 16
 seq_len = $SEQ_LEN
 compile = false
 ac_mode = "none"
+attention_mask = "$ATTENTION_MASK"
 
 [recurrence]
 mean_recurrence = 1
@@ -156,6 +166,7 @@ local_batch_size = 16
 seq_len = $SEQ_LEN
 compile = false
 ac_mode = "none"
+attention_mask = "$ATTENTION_MASK"
 
 [recurrence]
 mean_recurrence = 1

@@ -380,6 +380,7 @@ def test_the_quoted_source_accuracy_is_the_source_evaluated(tmp_path: Path) -> N
         (["--install", "--keep-below-gate"], "needs the gate; not with --keep-below-gate"),
         (["--install", "--task", "arith"], "not with --task arith"),
         (["--task", "mod10"], "--task takes perm or arith"),
+        (["--attention-mask", "block"], "--attention-mask takes causal or document, got block"),
     ],
 )
 def test_make_mini_source_refuses_a_bad_request_before_any_work(argv: list[str], message: str, tmp_path: Path) -> None:
