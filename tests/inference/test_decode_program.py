@@ -317,3 +317,17 @@ def test_a_failed_cuda_graph_capture_falls_back_to_the_uncompiled_step(model, co
     (program,) = decode_program._DECODE_PROGRAMS[model].values()
     assert not program.compiled and not program.graphs and program.describe().endswith("uncompiled")
     assert_same(generate(model, ids, options, attention_mask=mask, return_logits=True), fast)
+
+
+def test_another_temperature_top_p_or_eos_compiles_nothing_new(model, counter) -> None:
+    """The sampling values and the EOS id are device tensors of the program: a second generation with other
+    values reuses its graphs and gives the uncompiled step's tokens and logits."""
+    ids, mask = prompts()
+    first = GenerationOptions(max_new_tokens=10, num_steps=3, temperature=0.8, top_p=0.9, seed=3, eos_id=5)
+    generate(model, ids, dataclasses.replace(first, compile=True), attention_mask=mask)
+    compiled = counter.graphs
+    second = dataclasses.replace(first, temperature=0.5, top_p=0.7, eos_id=7)
+    fast = generate(model, ids, dataclasses.replace(second, compile=True), attention_mask=mask, return_logits=True)
+    assert counter.graphs == compiled, "another sampling value or EOS id recompiled"
+    assert len(decode_program._DECODE_PROGRAMS[model]) == 1
+    assert_same(generate(model, ids, second, attention_mask=mask, return_logits=True), fast, compare_logits=False)

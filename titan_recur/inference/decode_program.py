@@ -54,8 +54,19 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 CAPACITY_STEP = 128
 # Programs kept per model (each holds its KV cache); the least recently used one is dropped beyond.
 MAX_PROGRAMS = 4
-# Options that never reach a token's graph: a program serves every value of these.
-RUN_ONLY_OPTIONS = ("max_new_tokens", "seed", "generator", "compile", "draft_steps", "lookahead")
+# Options that never reach a token's graph: a program serves every value of these (the sampling values and the
+# EOS id are device tensors of the program, set per generation by ``DecodeProgram.use``).
+RUN_ONLY_OPTIONS = (
+    "max_new_tokens",
+    "seed",
+    "generator",
+    "compile",
+    "draft_steps",
+    "lookahead",
+    "temperature",
+    "top_p",
+    "eos_id",
+)
 
 
 def batch_bucket(rows: int) -> int:
@@ -186,6 +197,12 @@ class DecodeProgram:
         # What the forward's tokens see of their own columns: each itself and the ones before it.
         self.block_bias = torch.full((width, width), -math.inf, dtype=dtype, device=device).triu(1)
         self.uniforms = zeros(capacity, rows)  # the sampler's draw for each new token
+        # What the token's choice is (the graph's: greedy or sampled, top-p cut or not, an EOS or not), and its
+        # values as device tensors, so that another temperature, top_p or EOS id compiles nothing new.
+        self.greedy, self.nucleus, self.has_eos = opts.temperature == 0, opts.top_p < 1, opts.eos_id is not None
+        self.temperature, self.top_p = zeros(()), zeros(())
+        self.eos_id = zeros((), dtype=torch.long)
+        self.use(opts)
         self.finished = zeros(rows, dtype=torch.bool)
         self.lengths = zeros(rows, dtype=torch.long)
         self.logits = self._logits_buffer()
@@ -208,6 +225,12 @@ class DecodeProgram:
         if compiled:
             self._warm_up()
         self.warmup_seconds = time.perf_counter() - start
+
+    def use(self, opts: ResolvedOptions) -> None:
+        """This generation's sampling values and EOS id (its graph options are the program's)."""
+        self.temperature.fill_(opts.temperature if opts.temperature > 0 else 1.0)
+        self.top_p.fill_(opts.top_p)
+        self.eos_id.fill_(-1 if opts.eos_id is None else opts.eos_id)
 
     def describe(self) -> str:
         """What the program was built for, in one line."""
@@ -493,18 +516,17 @@ def _decode_leave(p: DecodeProgram) -> None:
 def _decode_choose(p: DecodeProgram, logits: torch.Tensor) -> None:
     """The next token from the forward's (rows, 1, V) logits (EOS once finished, lengths counted, each token's
     iterations and head calls, 0 once its row finished); then the write head moves one column on."""
-    opts = p.opts
     last = logits[:, -1]
     p.logits.copy_(last.float())
     draw = p.uniforms.index_select(0, p.counter[None])[0]
-    token = choose_tokens(last, opts.temperature, opts.top_p, opts.top_k, draw)
-    if opts.eos_id is not None:
-        token = torch.where(p.finished, torch.full_like(token, opts.eos_id), token)
+    token = choose_tokens(last, p.temperature, p.top_p, p.opts.top_k, draw, greedy=p.greedy, nucleus=p.nucleus)
+    if p.has_eos:
+        token = torch.where(p.finished, p.eos_id, token)
     p.token_steps.copy_(p.steps.masked_fill(p.finished, 0))
     p.token_head_calls.copy_(p.head_calls.masked_fill(p.finished, 0))
     p.lengths.add_(~p.finished)
-    if opts.eos_id is not None:
-        p.finished.copy_(p.finished | (token == opts.eos_id))
+    if p.has_eos:
+        p.finished.copy_(p.finished | (token == p.eos_id))
     p.token.copy_(token[:, None])
     p.position.add_(1)
     p.column.add_(1)
@@ -554,6 +576,9 @@ class SpeculativePrograms:
     @property
     def warmup_seconds(self) -> float:
         return self.draft.warmup_seconds + self.verify.warmup_seconds
+
+    def use(self, opts: ResolvedOptions) -> None:
+        self.draft.use(opts)  # the drafts' sampling values (their EOS is none: drafts go on past one)
 
     def describe(self) -> str:
         return f"drafts: {self.draft.describe()}; verify: {self.verify.describe()}"
@@ -623,7 +648,8 @@ def _cached_program(
     weights = tuple(p.data_ptr() for p in model.parameters())
     for stale in [k for k in programs if k[0] != weights]:
         del programs[stale]
-    key = (weights, rows, model.training, graph_options, kind)
+    choice = (opts.temperature == 0, opts.top_p < 1, opts.eos_id is not None)  # the token choice's graph
+    key = (weights, rows, model.training, graph_options, choice, kind)
     program = programs.get(key)
     if program is None or program.cache.capacity < columns:
         programs.pop(key, None)  # its cache is freed before the larger one is allocated
@@ -635,6 +661,7 @@ def _cached_program(
         programs[key] = program
         LOG.info("decode program built in %.1f s: %s", program.warmup_seconds, program.describe())
     programs.move_to_end(key)
+    program.use(opts)
     return cast(_Program, program)
 
 

@@ -10,18 +10,23 @@ from typing import cast
 
 import torch
 
+Knob = float | torch.Tensor  # a value, or a 0-dim device tensor a compiled step reads without recompiling
 
-def token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+
+def token_probs(
+    logits: torch.Tensor, temperature: Knob, top_p: Knob, top_k: int, nucleus: bool | None = None
+) -> torch.Tensor:
     """(..., V) fp32 sampling distribution of logits, as transformers' warpers make it: the softmax at
     ``temperature`` (> 0) of the ``top_k`` largest logits (0: all; ties with the k-th kept), restricted to the
     smallest set of tokens whose mass reaches ``top_p`` (always the most likely token), renormalised by the
-    sampler."""
+    sampler. ``nucleus``: whether the top-p cut applies (None: top_p < 1; given where top_p is a tensor, whose
+    value a compiled step must not read on the host)."""
     scaled = logits.float() / temperature
     if 0 < top_k < scaled.shape[-1]:
         kth = scaled.topk(top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    if top_p < 1:
+    if bool(top_p < 1) if nucleus is None else nucleus:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= top_p, 0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
@@ -29,13 +34,20 @@ def token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: i
 
 
 def choose_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, uniforms: torch.Tensor | None
+    logits: torch.Tensor,
+    temperature: Knob,
+    top_p: Knob,
+    top_k: int,
+    uniforms: torch.Tensor | None,
+    *,
+    greedy: bool | None = None,
+    nucleus: bool | None = None,
 ) -> torch.Tensor:
-    """(B,) next tokens from (B, V) logits: argmax at temperature 0, else the top-k/top-p sample that the
-    uniform draws (B,) in [0, 1) pick (``sample_by_uniforms``)."""
-    if temperature == 0:
+    """(B,) next tokens from (B, V) logits: argmax at temperature 0 (``greedy``, None: read from a float
+    temperature), else the top-k/top-p sample that the uniform draws (B,) in [0, 1) pick (``sample_by_uniforms``)."""
+    if bool(temperature == 0) if greedy is None else greedy:
         return logits.argmax(dim=-1)
-    return sample_by_uniforms(token_probs(logits, temperature, top_p, top_k), cast(torch.Tensor, uniforms))
+    return sample_by_uniforms(token_probs(logits, temperature, top_p, top_k, nucleus), cast(torch.Tensor, uniforms))
 
 
 def sample_by_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
