@@ -138,3 +138,19 @@ def tiny_hf_export(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     out = tmp_path_factory.mktemp("tiny_hf_export") / "hf"
     export_hf(load_model(tiny_model_dir), out, tokenizer_folder=tiny_model_dir, mean_recurrence=EXPORT_MEAN)
     return out
+
+
+@pytest.fixture(scope="session")
+def generation_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random model folder (vocab 512, random adapter: depth matters, max_seq_len 128, zero state init) with
+    the bundled tokenizer: the generate command's and the engine's lm-eval and HF export tests; built once per
+    session; read only."""
+    from tests.tiny_models import tiny_args, tiny_model
+    from titan_recur.storage.model_io import save_model
+
+    args = tiny_args(512, adapter_init="random", max_seq_len=128, state_init="zero", eos_id=2, pad_id=0, bos_id=1)
+    folder = tmp_path_factory.mktemp("generate") / "model"
+    save_model(tiny_model(args, seed=3, std=0.1).eval(), folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS / "tokenizer" / name, folder / name)
+    return folder

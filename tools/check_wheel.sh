@@ -15,7 +15,20 @@ PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 DEPS=${WHEEL_CHECK_DEPS:-shared}
 rm -rf "$WORK"
 mkdir -p "$WORK/dist" "$WORK/run"
-step() { printf '%-28s' "$1"; }
+# The console scripts pyproject.toml declares ([project.scripts]), read by the environment's python: each must be
+# installed into the fresh venv and run by a step below (a step's name starts with the script it runs).
+SCRIPTS=$("$PYTHON" - "$REPO/pyproject.toml" <<'EOF'
+import sys
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+with open(sys.argv[1], "rb") as f:
+    print(*tomllib.load(f)["project"]["scripts"])
+EOF
+)
+STEPPED=" "
+step() { printf '%-28s' "$1"; STEPPED+="${1%% *} "; }
 ok() { echo "ok ($((SECONDS - START)) s)"; }
 START=$SECONDS
 
@@ -38,6 +51,12 @@ ok
 
 cd "$WORK/run"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+step "console scripts installed"
+for script in $SCRIPTS; do
+  test -x "$BIN/$script" || { echo "pip did not install $script"; exit 1; }
+done
+ok
+
 step "package is the wheel's"
 "$BIN/python" -c "import titan_recur, sys; sys.exit(not titan_recur.__file__.startswith('$WORK/venv/'))" && ok
 
@@ -85,6 +104,10 @@ step "titan-recur-analyze-layers"
 step "titan-recur-compare"  # the trained run against itself: one held-out loss point at r = 1
 "$BIN/titan-recur-compare" run --data "$REPO/assets/corpus/math.jsonl" --recurrences 1 --loss-batches 1 \
     --loss-batch-size 2 --seq-len 32 --out compare > /dev/null 2>&1 && ok
+
+for script in $SCRIPTS; do
+  case "$STEPPED" in *" $script "*) ;; *) echo "no step runs $script (pyproject.toml's [project.scripts])"; exit 1 ;; esac
+done
 
 rm -rf "$WORK"
 echo "wheel check passed in $((SECONDS - START)) s"

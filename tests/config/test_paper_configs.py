@@ -113,7 +113,7 @@ SOURCE_TOTAL = {"tinyllama-1.1b": 1_100_048_384, "llama3.2-1b": 1_235_814_400}
 
 TOKENS_PER_STEP = 2**20
 # Paper-convention FLOPs of TinyLlama 4,8,4 over 50k steps at train mean 32, and of its static model
-# (docs/method.md); the other means are checked below and in tests/training/test_flops.py.
+# (docs/method.md); the other means are checked below and in tests/training/test_cost_model.py.
 TINYLLAMA_PAPER_FLOPS = 1.22e21
 TINYLLAMA_STATIC_PAPER_FLOPS = 3.05e20
 

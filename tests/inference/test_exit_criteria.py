@@ -1,5 +1,5 @@
 """Adaptive exit's criteria (inference/exit_criteria.py): one registry of classes, each criterion's rule,
-buffers updated in place. The engine and the fast path run every criterion in test_generate.py and
+buffers updated in place. The engine and the fast path run every criterion in test_engine.py and
 test_decode_program.py."""
 
 from __future__ import annotations

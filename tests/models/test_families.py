@@ -2,7 +2,7 @@
 source built with transformers' own config class (conftest.TINY_HF_CHECKPOINTS), nothing downloaded.
 
 Conversion against transformers' logits, blocks against its decoder layers, FLOPs against torch's counter and
-the static export live beside the Llama/OLMo-2 cases in test_convert.py, test_model.py, test_flops.py and
+the static export live beside the Llama/OLMo-2 cases in test_surgery.py, test_model.py, test_cost_model.py and
 test_export_hf.py; this file adds what a retrofit of each new family then runs.
 """
 

@@ -159,6 +159,13 @@ def test_tests_share_helpers_through_helper_modules_not_other_tests():
     assert not found, found
 
 
+def test_test_file_names_are_unique():
+    """tests/ folders have no __init__.py: pytest imports each test file by its bare name, so two files of one name
+    (test_x.py in tests/cli/ and in tests/x/) stop the collection of the suite."""
+    names = [path.name for path in (REPO / "tests").rglob("test_*.py")]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
+
+
 def test_tools_build_from_config_not_from_the_trainer():
     bad = [
         f"{path.relative_to(REPO)}:{line}"

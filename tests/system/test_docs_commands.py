@@ -301,23 +301,23 @@ def test_the_parse_check_catches_a_broken_command(text, problem, help_texts):
 CLUSTER_ONLY = "<!-- cluster-only -->"
 SMOLLM2_BENCH = (
     "needs tools/reproduce_smollm2.sh's models and the fetched source; the same benchmarks on tiny shapes: "
-    "tests/system/test_benchmarks.py, tests/inference/test_generate.py::test_bench_speed_times_the_hf_source_beside_the_engine"
+    "tests/system/test_benchmarks.py, tests/inference/test_engine.py::test_bench_speed_times_the_hf_source_beside_the_engine"
 )
 # Documented commands the suite runs elsewhere, by the test that runs them.
 RUN_ELSEWHERE = {
-    "bash tools/reproduce_mini.sh --quick": "tests/eval/test_compare.py::test_the_effect_reproduces_on_its_own_run",
+    "bash tools/reproduce_mini.sh --quick": "tests/cli/test_compare.py::test_the_effect_reproduces_on_its_own_run",
     "bash .ci/run": "the CI job itself",
     "bash tools/run_tests.sh": "the CI job itself (tools/run_tests.sh is .ci/run's test command)",
     'bash tools/run_tests.sh -m "not slow"': "the CI job's suite (a subset of it)",
     "bash tools/setup_env.sh": "the CI job itself (.ci/run starts with it)",
-    "bash tools/reproduce_mini.sh": "its --quick form, tests/eval/test_compare.py (the full form takes 37 min)",
+    "bash tools/reproduce_mini.sh": "its --quick form, tests/cli/test_compare.py (the full form takes 37 min)",
     "bash tools/make_mini_source.sh --task arith --keep-below-gate --out outputs/arith_src": "its refusals: "
     "tests/system/test_reproduce_mini.py (the build takes 30 min on one core)",
     "bash tools/reproduce_mini.sh --task arith --source outputs/arith_src/hf --out outputs/mini_arith": "the perm "
-    "task's --quick form, tests/eval/test_compare.py (the same stages; the full arith form takes 78 min)",
+    "task's --quick form, tests/cli/test_compare.py (the same stages; the full arith form takes 78 min)",
     "OMP_NUM_THREADS=1 python tools/bench_generate.py speculative --checkpoint "
     "outputs/mini/runs/recurrent_s0/final_model --task-dir outputs/mini/task": "on the --quick miniature, fewer "
-    "settings: tests/eval/test_compare.py::test_bench_speculative_decodes_the_plain_tokens_faster_per_iteration",
+    "settings: tests/cli/test_compare.py::test_bench_speculative_decodes_the_plain_tokens_faster_per_iteration",
     "OMP_NUM_THREADS=1 python tools/bench_generate.py speculative --checkpoint "
     "outputs/mini/runs/recurrent_s0/final_model --task-dir outputs/mini/task --batch-sizes 1 --recurrences 32 "
     "--rounds 5": "as the line above",
@@ -522,8 +522,15 @@ def test_the_python_engine_snippet_runs_as_written():
 
 
 def test_every_test_file_the_docs_name_exists():
-    """docs cite tests as evidence (docs/data.md named tests/test_data_shuffle.py, which did not exist)."""
-    texts = [*DOCS, *sorted((REPO / "tools").glob("*.sh"))]
-    named = {m for path in texts for m in re.findall(r"tests/[\w/]+\.py", path.read_text())}
+    """docs cite tests as evidence (docs/data.md named a shuffle test file that did not exist), and the tests name
+    each other (RUN_ELSEWHERE above): each file named, and each test named as FILE::test, exists."""
+    texts = [*DOCS, *sorted((REPO / "tools").glob("*.sh")), *sorted((REPO / "tests").rglob("*.py"))]
+    named = {m for path in texts for m in re.findall(r"tests/[\w/]+\.py(?:::\w+)?", path.read_text())}
     assert len(named) > 20, named
-    assert not sorted(p for p in named if not (REPO / p).is_file())
+    missing = [
+        name
+        for name in sorted(named)
+        for file, _, test in [name.partition("::")]
+        if not (REPO / file).is_file() or (test and f"def {test}(" not in (REPO / file).read_text())
+    ]
+    assert not missing, missing

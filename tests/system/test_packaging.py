@@ -17,21 +17,17 @@ from pathlib import Path
 
 import pytest
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+
 import titan_recur
 from titan_recur.utils.resources import find_config, project_folder
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = {
-    "titan-recur-train": "titan_recur.cli.train:main",
-    "titan-recur-eval": "titan_recur.cli.eval:main",
-    "titan-recur-convert": "titan_recur.cli.convert:main",
-    "titan-recur-export": "titan_recur.cli.export:main",
-    "titan-recur-flops": "titan_recur.cli.flops:main",
-    "titan-recur-prepare-data": "titan_recur.cli.prepare_data:main",
-    "titan-recur-analyze-layers": "titan_recur.cli.analyze_layers:main",
-    "titan-recur-compare": "titan_recur.cli.compare:main",
-    "titan-recur-generate": "titan_recur.cli.generate:main",
-}
+# The console scripts as pyproject.toml declares them: name -> "module:function".
+SCRIPTS: dict[str, str] = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 
 
 @pytest.fixture(scope="module")
@@ -192,9 +188,6 @@ def test_checkout_resources_are_the_top_level_folders(tmp_path, monkeypatch):
 
 def test_every_console_script_is_in_the_readme_table_and_the_wheel_check():
     """A command users install is listed where they look for it and run from a fresh venv by the wheel check."""
-    import tomllib
-
-    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     readme, wheel_check = (REPO / "README.md").read_text(), (REPO / "tools" / "check_wheel.sh").read_text()
-    assert [s for s in scripts if f"| `{s}` |" not in readme] == []
-    assert [s for s in scripts if f'"$BIN/{s}"' not in wheel_check] == []
+    assert [s for s in SCRIPTS if f"| `{s}` |" not in readme] == []
+    assert [s for s in SCRIPTS if f'"$BIN/{s}"' not in wheel_check] == []

@@ -1,4 +1,4 @@
-"""The miniature's depth task: generator, splits and harness tasks (the whole pipeline: tests/eval/test_compare.py)."""
+"""The miniature's depth task: generator, splits and harness tasks (the whole pipeline: tests/cli/test_compare.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""tools/compare.py and tools/reproduce_mini.sh: the quick miniature run once (the effect asserted on it), its two real 2-rank runs
+"""The compare command (titan_recur/cli/compare.py, tools/compare.py) and tools/reproduce_mini.sh: the quick miniature run once (the effect asserted on it), its two real 2-rank runs
 (recurrent and static) checked against tools/flops.py, the paper's formula and direct evaluation."""
 
 from __future__ import annotations

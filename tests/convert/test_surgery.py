@@ -1,19 +1,18 @@
-"""Surgery: layer plans, config mapping, exact equivalence with transformers, CLI behaviour and bad input."""
+"""Surgery (titan_recur/convert/surgery.py): layer plans, config mapping, exact equivalence with transformers, bad
+input. The convert command: tests/cli/test_convert.py."""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch import nn
 
+from tests.convert_util import SEQ_LEN, converted_logits, hf_logits, input_ids
 from titan_recur.convert.surgery import (
     ConversionError,
     ConvertOptions,
@@ -33,40 +32,11 @@ from titan_recur.storage.model_io import WEIGHTS_NAME, load_model, load_state_di
 
 REPO = Path(__file__).resolve().parents[2]
 ASSETS = REPO / "assets"
-CLI = REPO / "tools" / "convert_hf.py"
 EXACT = ConvertOptions(adapter_init="identity", state_init="zero")
-SEQ_LEN = 40
-
-
-def input_ids(seq_len: int = SEQ_LEN) -> torch.Tensor:
-    return torch.randint(3, 512, (2, seq_len), generator=torch.Generator().manual_seed(0))
-
-
-@torch.no_grad()
-def hf_logits(folder: Path, ids: torch.Tensor, layers: list[int] | None = None) -> torch.Tensor:
-    """Logits of the HF source model, optionally restricted to (and reordered as) the given layers."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    if layers is not None:
-        model.model.layers = nn.ModuleList(model.model.layers[i] for i in layers)
-        model.config.num_hidden_layers = len(layers)
-        for j, layer in enumerate(model.model.layers):
-            layer.self_attn.layer_idx = j
-    return model(input_ids=ids, use_cache=False).logits
-
-
-@torch.no_grad()
-def converted_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
-    return load_model(folder)(ids, num_steps=1)
 
 
 def convert_plan(source: Path, output: Path, options: ConvertOptions = EXACT, **plan_kwargs) -> None:
     convert(source, output, plan_layers(read_source(source).n_layers, **plan_kwargs), options)
-
-
-def run_cli(*args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(CLI), *map(str, args)], capture_output=True, text=True, timeout=120)
 
 
 # ---------------------------------------------------------------- plans
@@ -471,41 +441,3 @@ def test_existing_output(tiny_hf_checkpoint, tmp_path):
     with pytest.raises(ConversionError, match="refusing to overwrite"):
         convert(source, other, plan, EXACT, force=True)
     assert [p.name for p in other.iterdir()] == ["notes.txt"]
-
-
-# ---------------------------------------------------------------- CLI
-
-
-def test_cli_help():
-    result = run_cli("--help")
-    assert result.returncode == 0
-    for text in ("--shape P,R,C", "--static", "--adapter-init", "--untie-embeddings", "sqrt(2/(5*5280))", "--dry-run"):
-        assert text in result.stdout
-
-
-@pytest.mark.slow
-def test_cli_converts_and_dry_run_writes_nothing(tiny_hf_checkpoint, tmp_path):
-    source = tiny_hf_checkpoint("olmo2")
-    dry = run_cli(source, tmp_path / "dry", "--shape", "1,2,1", "--dry-run")
-    assert dry.returncode == 0, dry.stderr
-    assert re.search(r"dropped +2 layers +source 1-2\n", dry.stdout) and "nothing written" in dry.stdout
-    assert list(tmp_path.iterdir()) == []
-    result = run_cli(source, tmp_path / "out", "--prelude", "0", "--core", "3,4", "--coda", "5", "--state-init", "zero")
-    assert result.returncode == 0, result.stderr
-    assert "Olmo2ForCausalLM" in result.stdout and "params total" in result.stdout
-    ids = input_ids()
-    expected = hf_logits(source, ids, layers=[0, 3, 4, 5])
-    torch.testing.assert_close(converted_logits(tmp_path / "out", ids), expected, atol=1e-5, rtol=0)
-
-
-def test_cli_errors_are_one_line_and_write_nothing(tiny_hf_checkpoint, tmp_path):
-    source = tiny_hf_checkpoint("llama")
-    (tmp_path / "existing").mkdir()
-    (tmp_path / "existing" / "file").write_text("x")
-    result = run_cli(source, tmp_path / "out", "--shape", "4,4,2")
-    assert result.returncode == 2
-    assert result.stderr.splitlines() == ["titan-recur-convert: error: shape 4,4,2 needs 10 layers; the source has 6"]
-    result = run_cli(source, tmp_path / "existing", "--shape", "2,2,2")
-    assert result.returncode == 2 and "pass --force" in result.stderr and len(result.stderr.splitlines()) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"]
-    assert [p.name for p in (tmp_path / "existing").iterdir()] == ["file"]

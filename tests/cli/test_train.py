@@ -1,4 +1,4 @@
-"""The trainer's command line: a real 2-rank debug run, and one clear line for each bad input."""
+"""The trainer's command line (titan_recur/cli/train.py): a real 2-rank debug run, and one clear line for each bad input."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The generation engine (docs/generation.md): the preallocated cache against an uncached forward, K/V
 sharing against a list-based reference, adaptive exit against the criteria computed from full forwards,
-batched == single for every mode and criterion, cache sizes, warm start, sampling, the CLI, the
-lm-eval model and the HF export's generate.
+batched == single for every mode and criterion, cache sizes, warm start, sampling, the lm-eval model and the
+HF export's generate. The generate command: tests/cli/test_generate.py.
 
 Every model is tiny and fp32, built inline.
 """
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
-from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,13 +19,11 @@ import torch.nn.functional as F
 
 from tests.tiny_models import tiny_args, tiny_model
 from tests.torchrun_util import load_tool
-from titan_recur.cli.generate import main as generate_main
 from titan_recur.inference.engine import generate, left_pad
 from titan_recur.inference.exit_criteria import EXIT_CRITERIA
 from titan_recur.inference.options import GenerationOptions
 from titan_recur.models.cache import KVCache
 from titan_recur.models.model import Decoding, RecurrentLM
-from titan_recur.storage.model_io import save_model
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 97
@@ -520,139 +516,12 @@ def test_bad_prompts_are_one_line_errors(model: RecurrentLM) -> None:
         generate(static, torch.ones(1, 3, dtype=torch.long), GenerationOptions(exit_criterion="kl"))
 
 
-# --- CLI, lm-eval, HF export ----------------------------------------------------------------------
+# --- lm-eval, HF export ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random model folder (vocab 512, random adapter: depth matters) with the bundled tokenizer."""
-    folder = tmp_path_factory.mktemp("generate") / "model"
-    save_model(build(vocab_size=512, dim=32, max_seq_len=128, state_init="zero", eos_id=2, pad_id=0, bos_id=1), folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REPO / "assets" / "tokenizer" / name, folder / name)
-    return folder
-
-
-CLI_PROMPTS = ["Question: What is 3 + 4?\nAnswer:", "The sum", "Mia has nine apples and gives two away, so she"]
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    code = generate_main(list(args))
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def test_cli_json_fields_and_batched_equals_single(model_dir: Path, tmp_path: Path, capsys) -> None:
-    prompts_file = tmp_path / "prompts.jsonl"
-    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CLI_PROMPTS))
-    common = [
-        "--checkpoint",
-        str(model_dir),
-        "--num-steps",
-        "6",
-        "--kv-sharing",
-        "latest",
-        "--exit",
-        "entropy-diff",
-        "--exit-threshold",
-        "1e-3",
-        "--max-new-tokens",
-        "12",
-        "--json",
-    ]
-    code, out, err = run_cli(capsys, *common, "--prompts", str(prompts_file), "--batch-size", "3")
-    assert code == 0, err
-    report = json.loads(out)
-    assert set(report) == {"prompts", "mean_steps", "kv_cache_bytes", "tokens_per_sec", "settings"}
-    assert report["kv_cache_bytes"] > 0 and report["tokens_per_sec"] > 0
-    assert report["settings"]["kv_sharing"] == "latest" and report["settings"]["exit_criterion"] == "entropy-diff"
-    from titan_recur.data.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(model_dir)
-    steps = []
-    for prompt, result in zip(CLI_PROMPTS, report["prompts"], strict=True):
-        assert set(result) == {"prompt", "text", "tokens", "steps_per_token", "mean_steps"}
-        assert result["prompt"] == prompt and len(result["steps_per_token"]) == len(result["tokens"]) > 0
-        assert result["mean_steps"] == pytest.approx(sum(result["steps_per_token"]) / len(result["tokens"]))
-        assert result["text"] == tokenizer.decode([t for t in result["tokens"] if t != tokenizer.eos_id])
-        steps += result["steps_per_token"]
-        code, out, _ = run_cli(capsys, *common, "--prompt", prompt)
-        alone = json.loads(out)["prompts"][0]
-        assert (alone["tokens"], alone["steps_per_token"]) == (result["tokens"], result["steps_per_token"])
-    assert len(set(steps)) > 1 and max(steps) <= 6
-    code, out, _ = run_cli(capsys, "--checkpoint", str(model_dir), "--prompt", "The sum", "--max-new-tokens", "4")
-    assert code == 0 and out.startswith("### prompt 0: ") and "The sum" in out and "tokens/s" in out
-
-
-def test_cli_top_k_one_samples_the_greedy_tokens(model_dir: Path, capsys) -> None:
-    """--top-k reaches the engine: at k = 1 only the most likely token is left, so sampling is greedy."""
-    base = ["--checkpoint", str(model_dir), "--prompt", "The sum", "--max-new-tokens", "6", "--json"]
-    code, out, err = run_cli(capsys, *base)
-    assert code == 0, err
-    greedy = json.loads(out)["prompts"][0]["tokens"]
-    code, out, err = run_cli(capsys, *base, "--temperature", "5", "--top-k", "1", "--seed", "3")
-    assert code == 0, err
-    report = json.loads(out)
-    assert report["settings"]["top_k"] == 1 and report["prompts"][0]["tokens"] == greedy
-    code, out, err = run_cli(capsys, *base, "--temperature", "5", "--seed", "3")
-    assert json.loads(out)["prompts"][0]["tokens"] != greedy  # without top-k, temperature 5 strays
-
-
-def test_cli_bad_input_is_one_line_before_decoding(model_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
-    import titan_recur.cli.generate as cli
-
-    monkeypatch.setattr(cli, "generate", lambda *a, **k: pytest.fail("decoding started"))
-    empty_line = tmp_path / "empty.jsonl"
-    empty_line.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": " "}) + "\n")
-    base = ["--checkpoint", str(model_dir), "--num-steps", "4"]
-    cases = {
-        "exit_criterion must be one of kl, latent-diff, entropy-diff, argmax, got 'entropy'": [
-            *base,
-            "--prompt",
-            "a",
-            "--exit",
-            "entropy",
-        ],
-        "kv_sharing must be 'full', 'latest' or 'compress-N' with N >= 1, got 'compress'": [
-            *base,
-            "--prompt",
-            "a",
-            "--kv-sharing",
-            "compress",
-        ],
-        "exit_threshold must be > 0, got 0.0": [*base, "--prompt", "a", "--exit", "kl", "--exit-threshold", "0"],
-        "min_steps must be an integer in [1, max_steps = num_steps = 4], got 5": [
-            *base,
-            "--prompt",
-            "a",
-            "--exit",
-            "kl",
-            "--min-steps",
-            "5",
-        ],
-        "max_new_tokens (200) exceeds the model's max_seq_len (128)": [
-            *base,
-            "--prompt",
-            "a",
-            "--max-new-tokens",
-            "200",
-        ],
-        "top_k must be an integer >= 0 (0: off), got -1": [*base, "--prompt", "a", "--top-k", "-1"],
-        "--prompt is empty": [*base, "--prompt", ""],
-        f"{empty_line}:2: empty prompt": [*base, "--prompts", str(empty_line)],
-        "argument --min-steps: invalid int value: 'x'": [*base, "--prompt", "a", "--min-steps", "x"],
-    }
-    for message, argv in cases.items():
-        with pytest.raises(SystemExit) if "argument" in message else nullcontext():
-            code, out, err = run_cli(capsys, *argv)
-            assert code == 2 and not out, message
-            assert len(err.strip().splitlines()) == 1 and message in err, (message, err)
-        if "argument" in message:
-            err = capsys.readouterr().err
-            assert len(err.strip().splitlines()) == 1 and message in err
-
-
-def test_lm_eval_model_and_harness_sweep_exit_thresholds(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+def test_lm_eval_model_and_harness_sweep_exit_thresholds(
+    generation_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
     """generate_until through the engine with adaptive exit: batch size changes nothing, depth is counted per
     task, and the harness table and compute curve carry it."""
     import lm_eval.evaluator
@@ -668,7 +537,11 @@ def test_lm_eval_model_and_harness_sweep_exit_thresholds(model_dir: Path, tmp_pa
     monkeypatch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)
     manager = TaskManager(include_path=str(REPO / "tests" / "assets_lm_eval"), include_defaults=False)
     args = dict(
-        pretrained=str(model_dir), num_steps=6, kv_sharing="compress-2", exit_criterion="argmax", max_gen_toks=8
+        pretrained=str(generation_model_dir),
+        num_steps=6,
+        kv_sharing="compress-2",
+        exit_criterion="argmax",
+        max_gen_toks=8,
     )
     lm = TitanRecurLM(**args, batch_size=4)
     results = harness_sweep(
@@ -707,7 +580,7 @@ def test_lm_eval_model_and_harness_sweep_exit_thresholds(model_dir: Path, tmp_pa
         TitanRecurLM(**{**args, "min_steps": 7})
 
 
-def test_lm_eval_model_decodes_speculatively_with_the_same_answers(model_dir: Path, monkeypatch) -> None:
+def test_lm_eval_model_decodes_speculatively_with_the_same_answers(generation_model_dir: Path, monkeypatch) -> None:
     """model_args draft_steps/lookahead: the plain run's responses; the depth stats count drafts and verifies."""
     import lm_eval.evaluator
     from lm_eval import simple_evaluate
@@ -720,7 +593,7 @@ def test_lm_eval_model_decodes_speculatively_with_the_same_answers(model_dir: Pa
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)
     manager = TaskManager(include_path=str(REPO / "tests" / "assets_lm_eval"), include_defaults=False)
-    common = f"pretrained={model_dir},num_steps=6,max_gen_toks=8,batch_size=2"
+    common = f"pretrained={generation_model_dir},num_steps=6,max_gen_toks=8,batch_size=2"
     responses, stats = [], []
     for extra in ("", ",draft_steps=1,lookahead=4"):
         lm = TitanRecurLM(**simple_parse_args_string(common + extra))
@@ -738,20 +611,22 @@ def test_lm_eval_model_decodes_speculatively_with_the_same_answers(model_dir: Pa
 
 
 @pytest.mark.slow
-def test_hf_export_generate_takes_the_depth_knobs(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+def test_hf_export_generate_takes_the_depth_knobs(generation_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
     from transformers import AutoModelForCausalLM
 
     from titan_recur.hf.export import export_hf
     from titan_recur.storage.model_io import load_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    export_hf(load_model(model_dir), tmp_path / "hf", tokenizer_folder=model_dir)
+    export_hf(load_model(generation_model_dir), tmp_path / "hf", tokenizer_folder=generation_model_dir)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
     ids, mask = left_pad([[5, 6, 7], [8, 9, 10, 11, 12]], 0)
     knobs = dict(
         num_steps=6, kv_sharing="latest", exit_criterion="kl", exit_threshold=1e-2, min_steps=2, state_init="previous"
     )
-    expected = generate(load_model(model_dir), ids, GenerationOptions(max_new_tokens=10, **knobs), attention_mask=mask)
+    expected = generate(
+        load_model(generation_model_dir), ids, GenerationOptions(max_new_tokens=10, **knobs), attention_mask=mask
+    )
     out = hf.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, **knobs)
     assert torch.equal(out[:, ids.shape[1] :], expected.tokens)
     assert expected.steps[:, 1:].float().mean() < 6
@@ -762,7 +637,9 @@ def test_hf_export_generate_takes_the_depth_knobs(model_dir: Path, tmp_path: Pat
     )
     assert torch.equal(fast, out)
     speculative = dict(num_steps=6, draft_steps=2, lookahead=3)  # drafts and verifies as programs
-    plain = generate(load_model(model_dir), ids, GenerationOptions(max_new_tokens=10, num_steps=6), attention_mask=mask)
+    plain = generate(
+        load_model(generation_model_dir), ids, GenerationOptions(max_new_tokens=10, num_steps=6), attention_mask=mask
+    )
     fast = hf.generate(
         ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, compile=True, **speculative
     )

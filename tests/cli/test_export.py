@@ -1,4 +1,4 @@
-"""Hub-ready exports: a model card that parses, transformers_version, --push-to-hub up to the upload call, and
+"""The export command (titan_recur/cli/export.py), hub-ready exports: a model card that parses, transformers_version, --push-to-hub up to the upload call, and
 the printed lm_eval command (docs/hf.md)."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Layer-selection analysis: statistics against transformers, rankings on near-identity layers, losses
+"""The analyze-layers command (titan_recur/cli/analyze_layers.py, convert/layer_analysis.py): layer selection
+analysis: statistics against transformers, rankings on near-identity layers, losses
 equal to tools/convert_hf.py + `python -m titan_recur.eval loss`, bad input."""
 
 from __future__ import annotations
