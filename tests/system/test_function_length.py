@@ -17,7 +17,6 @@ LONG_FUNCTIONS = {
     "titan_recur/cli/generate.py:build_parser": 85,
     "titan_recur/hf/export.py:model_card": 82,
     "titan_recur/hf/modeling_titan_recur.py:TitanRecurForCausalLM.generate": 122,
-    "tools/bench_step.py:run": 83,
 }
 
 

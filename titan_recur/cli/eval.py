@@ -260,24 +260,31 @@ def run_loss(args: argparse.Namespace) -> None:
         in_loop_validation=in_loop,
     )
     json_path, plot_path = write_report(report, args.out, title=str(args.checkpoint))
+    print_loss_summary(report, recurrences, in_loop, args.config, most)
+    print(f"wrote {json_path} and {plot_path}")
+
+
+def print_loss_summary(
+    report: dict, recurrences: list[int], in_loop: dict | None, config: str | None, asked: int | None
+) -> None:
+    """The loss at each r, the rows scored, the in-loop validation they match, and a warning when the data gave
+    fewer than the ``asked`` batches."""
     for r in recurrences:
         print(f"r={r:<4d} loss {report['loss'][str(r)]:.4f}")
     print(describe_rows(report))
     if in_loop is not None:
         print(
-            f"in-loop validation of {args.config}: {in_loop['batches']} batches x {in_loop['batch_size']} rows x "
+            f"in-loop validation of {config}: {in_loop['batches']} batches x {in_loop['batch_size']} rows x "
             f"{in_loop['seq_len']} tokens on each rank, r in {in_loop['recurrences']}, every "
             f"{in_loop['interval']} steps ({'on' if in_loop['enable'] else 'off'}); the same rows with "
             f"--data-ranks <the run's ranks>"
         )
-    asked = None if settings["batches"] is None else settings["batches"] * settings["data_ranks"]
     if asked is not None and report["batches_read"] < asked:
         print(
             f"python -m titan_recur.eval loss: warning: the data gave {report['batches_read']} batches of the "
             f"{asked} asked (every document read once)",
             file=sys.stderr,
         )
-    print(f"wrote {json_path} and {plot_path}")
 
 
 def check_rows(settings: dict, model_args, dtype: str, device) -> None:

@@ -1,5 +1,6 @@
-"""The trainer: ``[torchrun ...] python -m titan_recur.train --config FILE [--section.key value ...]``.
+"""The Trainer: a run built from its config (model, data, optimizers, checkpoints, metrics) and its loop.
 
+The command around it is titan_recur/cli/train.py (``[torchrun ...] python -m titan_recur.train --config FILE``).
 One process or any number under torchrun; nccl on GPU, gloo on CPU. Everything a run writes goes
 under ``job.dump_folder``: checkpoints/, tb/, metrics.jsonl, config.json.
 """
@@ -286,7 +287,7 @@ class Trainer:
 
         With data.reshard = "restart" every rank hands the old data state of rank ``rank % saved_world``
         to its loader, which sees the new geometry and restarts its streams at a new epoch from ``step``
-        (data.py); the RNG keeps this run's per-rank seed.
+        (data/loader.py); the RNG keeps this run's per-rank seed.
         """
         folder = self.checkpointer.step_folder(step)
         if self.cfg.data.reshard != "restart":
