@@ -257,7 +257,7 @@ def run_collectives(trainer: Trainer, args: argparse.Namespace) -> dict:
         for k in sorted({1, min(2, r)}):
             n = r - k
             trainer.schedule.sample = lambda step, micro_step, n=n, k=k: (n, k)
-            micro = next(fixed_batches(1, 1, args.global_batch, args.seq_len, 97, rank, world))
+            micro = next(fixed_batches(1, 1, args.global_batch, args.seq_len, 97, rank, world, None))
             syncs = HostSyncs()
             with count_core_collectives(trainer) as core_counts, count_all_reduces() as reduces, syncs:
                 trainer.step += 1
