@@ -349,9 +349,9 @@ def run_speed(args: argparse.Namespace) -> None:
     )
     print(
         "| batch | r | engine | tokens/s (wall) | tokens/s (CPU s) | vs cat (wall) | vs cat (CPU s) | KV cache MiB "
-        "| bound tokens/s | % of bound | warm-up s |"
+        "| bound tokens/s | % of bound | warm-up s | decode-only tokens/s | prefill s |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for bsz in (int(v) for v in args.batch_sizes.split(",")):
         gen = torch.Generator().manual_seed(bsz)
         input_ids = torch.randint(0, args.vocab, (bsz, args.prompt_len), generator=gen).to(args.device)
@@ -375,13 +375,16 @@ def run_speed(args: argparse.Namespace) -> None:
                 run(args.new_tokens, 4)
                 synchronize(args.device)
                 warmup[name] = time.perf_counter() - began
-            timings = {name: [] for name in runs}
+            timings: dict[str, list[tuple[float, float, int]]] = {name: [] for name in runs}
+            prefills: dict[str, list[float]] = {name: [] for name in runs}
             for _ in range(args.rounds):
                 for name, run in runs.items():
                     timings[name].append(time_run(run, args.new_tokens, args.device))
+                    prefills[name].append(time_run(run, 1, args.device)[0])  # the prompt and its first token
             bound = bsz * bandwidth / decode_bytes(model, r, bsz, args.prompt_len + args.new_tokens // 2)
             for name, rows in timings.items():
-                report_speed(args, name, rows, timings.get("cat"), bsz, r, bound, warmup[name])
+                prefill = statistics.median(prefills[name])
+                report_speed(args, name, rows, timings.get("cat"), bsz, r, bound, warmup[name], prefill)
 
 
 def report_speed(
@@ -393,11 +396,16 @@ def report_speed(
     r: int,
     bound: float,
     warmup_s: float,
+    prefill_s: float,
 ) -> None:
     """One engine's row of the speed table, and with --jsonl its JSON line. ``rows``: (wall s, CPU s, cache bytes)
-    per round; ``cat``: the concatenating decoder's, of the same rounds, for the ratios."""
+    per round; ``cat``: the concatenating decoder's, of the same rounds, for the ratios; ``prefill_s``: a run of
+    one new token (the prompt's forward and the first choice), so that the decode-only rate is the other
+    new tokens over the time beyond it."""
     tokens = bsz * args.new_tokens
-    wall = tokens / statistics.median(row[0] for row in rows)
+    median_wall = statistics.median(row[0] for row in rows)
+    wall = tokens / median_wall
+    decode_only = bsz * (args.new_tokens - 1) / (median_wall - prefill_s) if median_wall > prefill_s else math.nan
     cpu = tokens / statistics.median(row[1] for row in rows)
     ratios = ["-", "-"]
     if cat is not None:
@@ -407,7 +415,7 @@ def report_speed(
     print(
         f"| {bsz} | {r if ours else '-'} | {name} | {wall:.1f} | {cpu:.1f} | {ratios[0]} | {ratios[1]} | "
         + (f"{cache_mib:.2f} | {bound:.1f} | {100 * wall / bound:.1f}" if ours else "- | - | -")
-        + f" | {warmup_s:.1f} |",
+        + f" | {warmup_s:.1f} | {decode_only:.1f} | {prefill_s:.3f} |",
         flush=True,
     )
     append_jsonl(
@@ -424,6 +432,8 @@ def report_speed(
             "bound_tokens_per_sec": bound if ours else None,
             "share_of_bound": wall / bound if ours else None,
             "warmup_seconds": warmup_s,
+            "decode_tokens_per_sec": decode_only,
+            "prefill_seconds": prefill_s,
         },
     )
 

@@ -380,6 +380,8 @@ def test_bench_speed_times_every_engine_in_interleaved_rounds(capsys) -> None:
     assert float(rows[2][7]) < float(rows[1][7])  # latest holds fewer slots than full at r = 3
     # the bandwidth bound and the share of it reached, and the warm-up seconds
     assert all(float(row[8]) > 0 and 0 < float(row[9]) and float(row[10]) >= 0 for row in rows)
+    # decode-only tokens/s (the new tokens after the first over the time beyond a one-token run) and that run
+    assert all(float(row[11]) > 0 and float(row[12]) > 0 for row in rows if row[11] != "nan")
 
 
 def test_bench_speed_and_check_write_their_figures_as_json_lines(tmp_path: Path, capsys, monkeypatch) -> None:
@@ -406,6 +408,7 @@ def test_bench_speed_and_check_write_their_figures_as_json_lines(tmp_path: Path,
         assert record["batch"] == 2 and record["r"] == 3 and record["device"] == "cpu" and record["dim"] == 32
         assert row[3] == f"{record['tokens_per_sec']:.1f}" and row[7] == f"{record['kv_cache_mib']:.2f}"
         assert row[9] == f"{100 * record['share_of_bound']:.1f}" and row[10] == f"{record['warmup_seconds']:.1f}"
+        assert row[11] == f"{record['decode_tokens_per_sec']:.1f}" and row[12] == f"{record['prefill_seconds']:.3f}"
     for line, record in zip([line for line in printed if line.startswith("r=")], records[2:], strict=True):
         assert f"max |logit difference| {record['max_logit_difference']:.4f}" in line
         assert line.endswith(f"argmax agreement {100 * record['argmax_agreement']:.1f}%")
