@@ -4,7 +4,7 @@
 # machine gives the same weights; another machine may not (docs/results.md: two perm rebuilds of 2026-12-06).
 #
 #   bash tools/make_mini_source.sh [--out DIR] [--layers N] [--task perm|arith] [--attention-mask causal|document]
-#                                  [--threads N] [--install] [--keep-below-gate]
+#                                  [--threads N] [--steps N] [--install] [--keep-below-gate]
 #
 # Stages:
 #   1. task      tools/make_depth_task.py: the permutation word problem (perm seed 0), training chains of
@@ -28,7 +28,8 @@
 # stage. --attention-mask document pretrains (and post-trains) with training.attention_mask = "document": each
 # packed question attends only to itself (docs/data.md), so a question cannot read another's bindings.
 # --threads N runs the pretraining with N threads (default 1), to check that a recipe passes its gate whatever
-# the thread count's rounding. --install copies the checked folder to assets/perm_llama (perm, 4 layers only).
+# the thread count's rounding. --steps N pretrains N steps (default 4,000 for perm, 6,000 for arith; the phases
+# start where they do by default). --install copies the checked folder to assets/perm_llama (perm, 4 layers only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,6 +38,7 @@ INSTALL=0
 KEEP_BELOW_GATE=0
 LAYERS=4
 THREADS=1
+STEPS_ARG=
 TASK=perm
 ATTENTION_MASK=causal
 while [ $# -gt 0 ]; do
@@ -46,9 +48,10 @@ while [ $# -gt 0 ]; do
     --keep-below-gate) KEEP_BELOW_GATE=1 ;;
     --layers) LAYERS=${2:?--layers needs a number}; shift ;;
     --threads) THREADS=${2:?--threads needs a number}; shift ;;
+    --steps) STEPS_ARG=${2:?--steps needs a number}; shift ;;
     --task) TASK=${2:?--task needs perm or arith}; shift ;;
     --attention-mask) ATTENTION_MASK=${2:?--attention-mask needs causal or document}; shift ;;
-    -h|--help) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "make_mini_source.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -65,10 +68,13 @@ case "$TASK" in
   arith) SEQ_LEN=160 STEPS=6000 PHASES="1-1:20:0 1-2:21:1000 1-4:22:1600 1-6:1:2400" MARGINALS=0 ;;
   *) echo "make_mini_source.sh: error: --task takes perm or arith, got $TASK" >&2; exit 2 ;;
 esac
-if ! [[ "$THREADS" =~ ^[1-9][0-9]*$ ]]; then
-  echo "make_mini_source.sh: error: --threads takes an integer >= 1, got $THREADS" >&2
-  exit 2
-fi
+STEPS=${STEPS_ARG:-$STEPS}
+for value in "$THREADS" ${STEPS_ARG:+"$STEPS_ARG"}; do
+  if ! [[ "$value" =~ ^[1-9][0-9]*$ ]]; then
+    echo "make_mini_source.sh: error: --threads and --steps take an integer >= 1, got $value" >&2
+    exit 2
+  fi
+done
 if [ "$ATTENTION_MASK" != causal ] && [ "$ATTENTION_MASK" != document ]; then
   echo "make_mini_source.sh: error: --attention-mask takes causal or document, got $ATTENTION_MASK" >&2
   exit 2
