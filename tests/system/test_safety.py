@@ -150,6 +150,7 @@ def runs(normal_init_model, tmp_path_factory) -> dict:
         },
         "fp_steps": refused("--training.steps", "12"),
         "fp_seq_len": refused("--training.seq_len", "32"),
+        "fp_attention_mask": refused("--training.attention_mask", "document"),
         "fp_tokenizer": refused("--data.tokenizer", str(tokenizer)),
         "fp_curriculum": refused("--recurrence.mean_recurrence", "4"),
         "fp_seed": refused("--job.seed", "1"),
@@ -287,6 +288,7 @@ def assert_refused_before_writing(result: dict) -> str:
     [
         ("fp_steps", "steps 8 -> 12; to resume with the new steps, pass --checkpoint.allow_changes steps"),
         ("fp_seq_len", "seq_len 16 -> 32"),
+        ("fp_attention_mask", "attention_mask 'causal' -> 'document'"),
         ("fp_tokenizer", "tokenizer (other tokenizer files)"),
         ("fp_curriculum", "recurrence.mean_recurrence 3 -> 4"),
         ("fp_seed", "seed 0 -> 1; seed cannot change on resume"),

@@ -18,7 +18,7 @@ from titan_recur.models.args import (
 ACMode = Literal["none", "full", "per_iteration"]
 AC_MODES: tuple[str, ...] = get_args(ACMode)
 # Fingerprint fields whose change on resume is safe by design (titan_recur.training.fingerprint; docs/checkpointing.md).
-AllowedChange = Literal["steps", "seq_len", "global_batch_size", "recurrence", "data"]
+AllowedChange = Literal["steps", "seq_len", "global_batch_size", "recurrence", "data", "attention_mask"]
 ALLOWED_CHANGES: tuple[str, ...] = get_args(AllowedChange)
 # How a data source's records become tokens and labels (titan_recur.data.loader; docs/data.md).
 DataFormat = Literal["text", "prompt_completion"]

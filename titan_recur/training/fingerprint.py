@@ -19,6 +19,8 @@ from titan_recur.storage.model_io import TOKENIZER_FILES
 
 # Fields whose change on resume is never allowed (the saved state would contradict them).
 FIXED = ("model", "tokenizer", "seed", "optimizer", "lr_scheduler")
+# Fields added after checkpoints were first written, with the value every earlier run had.
+ADDED_FIELDS = {"attention_mask": "causal"}
 _SHOWN_CHANGES = 6
 _SHOWN_VALUE = 40
 
@@ -28,13 +30,14 @@ class FingerprintError(ValueError):
 
 
 def run_fingerprint(cfg: JobConfig, model_args: ModelArgs, tokenizer_folder: str | None, global_batch: int) -> dict:
-    """Model shape, tokenizer, seq_len, global batch, steps, curriculum, seed, data, optimizer, schedule."""
+    """Model, tokenizer, seq_len, attention mask, global batch, steps, curriculum, seed, data, optimizer, schedule."""
     data = cfg.data
     sources = [(p.start_step, p.sources) for p in data.phases] or [(0, data.sources)]
     fingerprint = {
         "model": model_args.to_dict(),
         "tokenizer": tokenizer_hash(Path(tokenizer_folder)) if tokenizer_folder else None,
         "seq_len": cfg.training.seq_len,
+        "attention_mask": cfg.training.attention_mask,
         "global_batch_size": global_batch,
         "steps": cfg.training.steps,
         "recurrence": config_to_dict(cfg.recurrence),
@@ -66,6 +69,7 @@ def tokenizer_hash(folder: Path) -> str:
 
 def check_unchanged(saved: dict[str, Any], current: dict[str, Any], allowed: Sequence[str], where: str) -> list[str]:
     """Raise FingerprintError listing the fields that changed and are not allowed; return the allowed ones."""
+    saved = {**ADDED_FIELDS, **saved}
     changed = [name for name in current if saved.get(name) != current[name]]
     refused = [name for name in changed if name not in allowed]
     if refused:
