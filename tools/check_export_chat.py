@@ -19,13 +19,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from titan_recur.cli.kit import OneLineParser
 from titan_recur.eval.loading import load_checkpoint
 from titan_recur.inference.engine import greedy_generate
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
@@ -37,7 +33,7 @@ def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(
+    parser = OneLineParser(
         prog="check_export_chat.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("export", type=Path, help="folder of tools/export_hf.py")

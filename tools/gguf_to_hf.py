@@ -14,12 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from titan_recur.cli.kit import OneLineParser
+
 GGUF_EXTRA = "pip install -e '.[gguf]' (or pip install gguf)"
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def gguf_available() -> bool:
@@ -51,7 +48,9 @@ def export(gguf_file: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="gguf_to_hf.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(
+        prog="gguf_to_hf.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("gguf", type=Path, help="the .gguf file")
     parser.add_argument("out", type=Path, help="output folder (must not exist or be empty)")
     args = parser.parse_args(argv)

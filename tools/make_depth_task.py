@@ -65,7 +65,8 @@ MAX_EVAL_EXAMPLES = 10_000
 
 
 class Parser(argparse.ArgumentParser):
-    """Errors as one line on stderr, exit status 2."""
+    """Errors as one line on stderr, exit status 2: ``titan_recur.cli.kit.OneLineParser``, kept here because this
+    script imports only the standard library (importing titan_recur would load torch for every task it writes)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")

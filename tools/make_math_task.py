@@ -24,6 +24,7 @@ from pathlib import Path
 
 from make_depth_task import task_yaml  # a sibling: tools/ is sys.path[0] for a script
 
+from titan_recur.cli.kit import OneLineParser
 from titan_recur.config import load_config
 from titan_recur.data.loader import heldout_documents, training_documents
 
@@ -33,11 +34,6 @@ _QUESTION = re.compile(r"Question: (.+?)\nAnswer:", re.S)
 # Greedy generation stops at a blank line, at the next question (a model that goes on to invent one)
 # or at the end-of-text tokens of the common chat formats.
 STOP = ("\n\n", "Question:", "<|im_end|>", "<|endoftext|>", "</s>")
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def problem(doc: object) -> dict[str, str] | None:
@@ -84,7 +80,9 @@ def held_out_questions(config_data, limit: int) -> tuple[list[dict[str, str]], d
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="make_math_task.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(
+        prog="make_math_task.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", required=True, type=Path, help="the training config (its data and split)")
     parser.add_argument("--out", required=True, type=Path, help="output folder (must not exist or be empty)")
     parser.add_argument("--questions", type=int, default=200, help="at most this many questions (default 200)")

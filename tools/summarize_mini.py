@@ -34,15 +34,11 @@ from typing import Any
 
 from make_depth_task import format_lengths, parse_lengths  # a sibling: tools/ is sys.path[0] for a script
 
+from titan_recur.cli.kit import OneLineParser
 from titan_recur.eval.comparison import PREFERRED_METRICS
 from titan_recur.utils.plots import pyplot, save_figure
 
 _LENGTH = re.compile(r"_(\d+)$")
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def task_lengths(report: dict[str, Any]) -> dict[str, int]:
@@ -451,7 +447,9 @@ def save_accuracy_figure(fig: Any, ax: Any, xlabel: str, long: list[int], path: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="summarize_mini.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(
+        prog="summarize_mini.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("report", type=Path, help="compare.json of tools/compare.py")
     p.add_argument("--task", type=Path, required=True, help="task.json of tools/make_depth_task.py")
     p.add_argument("--out", type=Path, required=True, help="output folder")

@@ -29,15 +29,11 @@ from typing import Any
 
 from summarize_mini import accuracy, spread, wilson  # a sibling: tools/ is sys.path[0] for a script
 
+from titan_recur.cli.kit import OneLineParser
 from titan_recur.utils.plots import pyplot, save_figure
 
 _SEED = re.compile(r"_s\d+$")
 TASK = "math_heldout"
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def read_json(path: Path) -> Any:
@@ -273,7 +269,7 @@ def plot_healing(out: Path, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(
+    parser = OneLineParser(
         prog="summarize_smollm2.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("run", type=Path, help="the --out folder of tools/reproduce_smollm2.sh")
