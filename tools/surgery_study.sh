@@ -7,7 +7,7 @@
 #   bash tools/surgery_study.sh [--out DIR]
 #
 # Stages:
-#   1. source   tools/make_mini_source.sh --layers 6 (the shipped source's recipe with 6 blocks; ~12 min)
+#   1. source   tools/make_mini_source.sh --layers 6 --steps 4000 (the shipped source's recipe with 6 blocks; ~12 min)
 #   2. analyze  tools/analyze_layers.py --recommend 1,2,1 --measure 3 on the answer-only loss of the task
 #   3. retrofit tools/reproduce_mini.sh per placement (--surgery, one seed, the static arm with the first)
 #   4. table    OUT/study.md: each placement's analysis ranks next to its accuracy at r = 1, 2, 4, 8
@@ -27,7 +27,7 @@ export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARAL
 PY=.venv/bin/python
 mkdir -p "$OUT"
 
-[ -f "$OUT/source/hf/config.json" ] || bash tools/make_mini_source.sh --layers 6 --out "$OUT/source"
+[ -f "$OUT/source/hf/config.json" ] || bash tools/make_mini_source.sh --layers 6 --steps 4000 --out "$OUT/source"
 "$PY" tools/make_depth_task.py --out "$OUT/task" --train-lengths 1-12 --eval-lengths 1-12 --seed 0
 "$PY" tools/analyze_layers.py "$OUT/source/hf" --data "$OUT/task/validation.jsonl" --format prompt_completion \
   --seq-len 64 --tokens 16384 --recommend 1,2,1 --measure 3 --out "$OUT/analysis" | tee "$OUT/analysis.txt"

@@ -313,6 +313,10 @@ RUN_ELSEWHERE = {
     "bash tools/reproduce_mini.sh": "its --quick form, tests/cli/test_compare.py (the full form takes 37 min)",
     "bash tools/make_mini_source.sh --task arith --keep-below-gate --out outputs/arith_src": "its refusals: "
     "tests/system/test_reproduce_mini.py (the build takes 30 min on one core)",
+    "bash tools/make_mini_source.sh --steps 6000 --out outputs/perm_6k_t1": "its refusals: "
+    "tests/system/test_reproduce_mini.py (the build takes 11 min on one core)",
+    "bash tools/reproduce_mini.sh --source outputs/perm_6k_t1/hf --out outputs/mini_6k": "its --quick form, "
+    "tests/cli/test_compare.py (the same stages from another source; the full form takes 17 min)",
     "bash tools/reproduce_mini.sh --task arith --source outputs/arith_src/hf --out outputs/mini_arith": "the perm "
     "task's --quick form, tests/cli/test_compare.py (the same stages; the full arith form takes 78 min)",
     "OMP_NUM_THREADS=1 python tools/bench_generate.py speculative --checkpoint "
