@@ -83,6 +83,8 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 from bench_models import add_shape_arguments, random_model, shape_model_args  # a sibling: tools/ is sys.path[0]
+from torch.nn.attention import SDPBackend
+from torch.overrides import TorchFunctionMode
 
 from titan_recur import RecurrentLM
 from titan_recur.inference.decode_program import DecodeProgram
@@ -280,6 +282,34 @@ def time_run(run, new_tokens: int, device: str) -> tuple[float, float, int]:
     return time.perf_counter() - wall, time.process_time() - cpu, nbytes
 
 
+class ChosenAttention(TorchFunctionMode):
+    """The kernel each ``scaled_dot_product_attention`` call dispatches to (flash, memory-efficient, cuDNN or
+    math), asked of torch's own chooser with that call's arguments: on a GPU the difference between a
+    fused kernel and math, which copies K/V per call, is the decode step's speed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chosen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.chosen.append(SDPBackend(torch._fused_sdp_choice(*args, **kwargs)).name.lower())
+        return func(*args, **kwargs)
+
+
+def attention_backends(run) -> dict[str, str]:
+    """{"prefill": ..., "decode": ...}: the kernels of a one-token run (the prompt's forward), then those a
+    two-token run adds (a decode step; the same for the compiled step, whose graph holds the op the same
+    chooser picked). Uncompiled runs only: a mode does not reach inside a compiled graph."""
+    with ChosenAttention() as prefill:
+        run(1, 1)
+    with ChosenAttention() as both:
+        run(2, 2)
+    decode = both.chosen[len(prefill.chosen) :]
+    return {"prefill": "+".join(sorted(set(prefill.chosen))), "decode": "+".join(sorted(set(decode)))}
+
+
 def copy_bandwidth(device: str) -> float:
     """Bytes/s of a device-to-device copy (read + write counted), best of 5: the memory bandwidth the
     decode bound divides by."""
@@ -349,9 +379,9 @@ def run_speed(args: argparse.Namespace) -> None:
     )
     print(
         "| batch | r | engine | tokens/s (wall) | tokens/s (CPU s) | vs cat (wall) | vs cat (CPU s) | KV cache MiB "
-        "| bound tokens/s | % of bound | warm-up s | decode-only tokens/s | prefill s |"
+        "| bound tokens/s | % of bound | warm-up s | decode-only tokens/s | prefill s | attention (prefill / decode) |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for bsz in (int(v) for v in args.batch_sizes.split(",")):
         gen = torch.Generator().manual_seed(bsz)
         input_ids = torch.randint(0, args.vocab, (bsz, args.prompt_len), generator=gen).to(args.device)
@@ -368,6 +398,8 @@ def run_speed(args: argparse.Namespace) -> None:
                     runs[mode] = engine_run(model, input_ids, r, mode, False, args.iterations_per_call)
                     if args.compile:
                         runs[f"{mode}+compile"] = engine_run(model, input_ids, r, mode, True, args.iterations_per_call)
+            # a compiled engine's kernels are its uncompiled twin's (the same chooser, the same arguments)
+            backends = {name: attention_backends(run) for name, run in runs.items() if not name.endswith("+compile")}
             warmup = {}
             for name, run in runs.items():
                 synchronize(args.device)
@@ -384,7 +416,8 @@ def run_speed(args: argparse.Namespace) -> None:
             bound = bsz * bandwidth / decode_bytes(model, r, bsz, args.prompt_len + args.new_tokens // 2)
             for name, rows in timings.items():
                 prefill = statistics.median(prefills[name])
-                report_speed(args, name, rows, timings.get("cat"), bsz, r, bound, warmup[name], prefill)
+                attention = backends[name.removesuffix("+compile")]
+                report_speed(args, name, rows, timings.get("cat"), bsz, r, bound, warmup[name], prefill, attention)
 
 
 def report_speed(
@@ -397,11 +430,12 @@ def report_speed(
     bound: float,
     warmup_s: float,
     prefill_s: float,
+    attention: dict[str, str],
 ) -> None:
     """One engine's row of the speed table, and with --jsonl its JSON line. ``rows``: (wall s, CPU s, cache bytes)
     per round; ``cat``: the concatenating decoder's, of the same rounds, for the ratios; ``prefill_s``: a run of
     one new token (the prompt's forward and the first choice), so that the decode-only rate is the other
-    new tokens over the time beyond it."""
+    new tokens over the time beyond it; ``attention``: the SDPA kernels of prefill and decode."""
     tokens = bsz * args.new_tokens
     median_wall = statistics.median(row[0] for row in rows)
     wall = tokens / median_wall
@@ -415,7 +449,7 @@ def report_speed(
     print(
         f"| {bsz} | {r if ours else '-'} | {name} | {wall:.1f} | {cpu:.1f} | {ratios[0]} | {ratios[1]} | "
         + (f"{cache_mib:.2f} | {bound:.1f} | {100 * wall / bound:.1f}" if ours else "- | - | -")
-        + f" | {warmup_s:.1f} | {decode_only:.1f} | {prefill_s:.3f} |",
+        + f" | {warmup_s:.1f} | {decode_only:.1f} | {prefill_s:.3f} | {attention['prefill']} / {attention['decode']} |",
         flush=True,
     )
     append_jsonl(
@@ -434,6 +468,7 @@ def report_speed(
             "warmup_seconds": warmup_s,
             "decode_tokens_per_sec": decode_only,
             "prefill_seconds": prefill_s,
+            "attention_backends": attention,
         },
     )
 

@@ -12,6 +12,7 @@ import functools
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -384,6 +385,30 @@ def test_bench_speed_times_every_engine_in_interleaved_rounds(capsys) -> None:
     assert all(float(row[11]) > 0 and float(row[12]) > 0 for row in rows if row[11] != "nan")
 
 
+def test_bench_attention_backends_are_torchs_own_choice_for_each_call() -> None:
+    """The backend the speed bench names for prefill and decode is what torch's SDPA chooser returns for each
+    call's own arguments (grouped heads folded over the cache: a mask and G x T query rows, no enable_gqa)."""
+    bench = load_tool("bench_generate")
+    model = tiny_model(tiny_args()).eval()  # 4 query heads over 2 KV heads
+    prompt = torch.randint(0, 97, (2, 5))
+    seen: list[tuple] = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        choice = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        seen.append((k.shape[-2], torch.nn.attention.SDPBackend(choice).name.lower()))  # keys: the prompt's 5, then 6
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=enable_gqa)
+
+    run = bench.engine_run(model, prompt, 3, "full", False, 1)
+    backends = bench.attention_backends(run)
+    with mock.patch("torch.nn.functional.scaled_dot_product_attention", spy):
+        run(2, 2)
+    prefill = {name for keys, name in seen if keys == 5}
+    decode = {name for keys, name in seen if keys != 5}
+    assert decode and backends == {"prefill": "+".join(sorted(prefill)), "decode": "+".join(sorted(decode))}
+    assert set(backends.values()) <= {"flash_attention", "efficient_attention", "cudnn_attention", "math"}
+
+
 def test_bench_speed_and_check_write_their_figures_as_json_lines(tmp_path: Path, capsys, monkeypatch) -> None:
     """--jsonl: each speed row and each check r as one JSON line (tools/bench_gpu.sh collects them), the printed
     figures; the check's fast path compiled with aot_eager here."""
@@ -409,6 +434,7 @@ def test_bench_speed_and_check_write_their_figures_as_json_lines(tmp_path: Path,
         assert row[3] == f"{record['tokens_per_sec']:.1f}" and row[7] == f"{record['kv_cache_mib']:.2f}"
         assert row[9] == f"{100 * record['share_of_bound']:.1f}" and row[10] == f"{record['warmup_seconds']:.1f}"
         assert row[11] == f"{record['decode_tokens_per_sec']:.1f}" and row[12] == f"{record['prefill_seconds']:.3f}"
+        assert row[13] == f"{record['attention_backends']['prefill']} / {record['attention_backends']['decode']}"
     for line, record in zip([line for line in printed if line.startswith("r=")], records[2:], strict=True):
         assert f"max |logit difference| {record['max_logit_difference']:.4f}" in line
         assert line.endswith(f"argmax agreement {100 * record['argmax_agreement']:.1f}%")
