@@ -5,7 +5,7 @@
 # gate (docs/results.md: the perm rebuilds of 2026-12-06 and 2026-12-07).
 #
 #   bash tools/make_mini_source.sh [--out DIR] [--layers N] [--task perm|arith] [--attention-mask causal|document]
-#                                  [--threads N] [--steps N] [--install] [--keep-below-gate]
+#                                  [--threads N] [--steps N] [--consolidate-steps N] [--install] [--keep-below-gate]
 #
 # Stages:
 #   1. task      tools/make_depth_task.py: the permutation word problem (perm seed 0), training chains of
@@ -13,11 +13,14 @@
 #   2. pretrain  python -m titan_recur.train, from scratch (model.dim 128, 4 layers, 4 heads, SwiGLU 256, vocab 512,
 #                static): 6,000 AdamW steps of 16 x 64 tokens (lr 3e-3, cosine to 0.03x), the loss on the
 #                answers only (format = "prompt_completion"), data phases 1-2 -> 1-4 (step 300) -> 1-6 (step 800)
-#   3. marginals 300 AdamW steps with the loss on every token (format "text"), so that the all-token
+#   3. consolidate (only with --consolidate-steps N) N more AdamW steps from the pretrained model, a second
+#                cosine from lr 1e-3, on the last phase's lengths (1-6) mixed 1:1 with its two longest (5-6),
+#                drawn with the same question seed so that the gate's questions stay out of training
+#   4. marginals 300 AdamW steps with the loss on every token (format "text"), so that the all-token
 #                post-training of tools/reproduce_mini.sh starts without large gradients on the prompts
 #                (perm only: arith's post-training is answer-only, and this stage undid its length 1)
-#   4. export    tools/export_hf.py: an ordinary HF folder (LlamaForCausalLM), what convert_hf.py reads
-#   5. gate      the harness at every training length 1-6: each must be >= 0.99 exact match, else exit 1
+#   5. export    tools/export_hf.py: an ordinary HF folder (LlamaForCausalLM), what convert_hf.py reads
+#   6. gate      the harness at every training length 1-6: each must be >= 0.99 exact match, else exit 1
 #                (a source that has not learned its lengths gives no retrofit effect: docs/results.md);
 #                --keep-below-gate prints the failure as a warning and exits 0 (the arith source of
 #                docs/results.md, which no recipe here has brought through the gate yet)
@@ -43,6 +46,7 @@ KEEP_BELOW_GATE=0
 LAYERS=4
 THREADS=1
 STEPS_ARG=
+CONSOLIDATE_ARG=
 TASK=perm
 ATTENTION_MASK=causal
 while [ $# -gt 0 ]; do
@@ -53,9 +57,10 @@ while [ $# -gt 0 ]; do
     --layers) LAYERS=${2:?--layers needs a number}; shift ;;
     --threads) THREADS=${2:?--threads needs a number}; shift ;;
     --steps) STEPS_ARG=${2:?--steps needs a number}; shift ;;
+    --consolidate-steps) CONSOLIDATE_ARG=${2:?--consolidate-steps needs a number}; shift ;;
     --task) TASK=${2:?--task needs perm or arith}; shift ;;
     --attention-mask) ATTENTION_MASK=${2:?--attention-mask needs causal or document}; shift ;;
-    -h|--help) sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "make_mini_source.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -73,9 +78,9 @@ case "$TASK" in
   *) echo "make_mini_source.sh: error: --task takes perm or arith, got $TASK" >&2; exit 2 ;;
 esac
 STEPS=${STEPS_ARG:-$STEPS}
-for value in "$THREADS" ${STEPS_ARG:+"$STEPS_ARG"}; do
+for value in "$THREADS" ${STEPS_ARG:+"$STEPS_ARG"} ${CONSOLIDATE_ARG:+"$CONSOLIDATE_ARG"}; do
   if ! [[ "$value" =~ ^[1-9][0-9]*$ ]]; then
-    echo "make_mini_source.sh: error: --threads and --steps take an integer >= 1, got $value" >&2
+    echo "make_mini_source.sh: error: --threads, --steps and --consolidate-steps take an integer >= 1, got $value" >&2
     exit 2
   fi
 done
@@ -167,6 +172,71 @@ TOML
 
 "$PY" -m titan_recur.train --config "$OUT/configs/pretrain.toml"
 MODEL="$OUT/pretrain/final_model"
+if [ -n "$CONSOLIDATE_ARG" ]; then
+  IFS=: read -r lengths seed _ <<<"${PHASES##* }"
+  longest=$((${lengths#*-} - 1))-${lengths#*-}
+  "$PY" tools/make_depth_task.py --task "$TASK" --out "$OUT/task_$longest" --train-lengths "$longest" --eval-lengths 1-12 \
+    --extrapolation-lengths none --seed "$seed"
+  for eval_file in "$OUT/task_$lengths"/eval_*.jsonl; do  # same seed, same questions: the gate's stay held out
+    cmp -s "$eval_file" "$OUT/task_$longest/${eval_file##*/}" || { echo "make_mini_source.sh: error: $OUT/task_$longest has other evaluation questions than $OUT/task_$lengths" >&2; exit 1; }
+  done
+  cat > "$OUT/configs/consolidate.toml" <<TOML
+[job]
+dump_folder = "$OUT/consolidate"
+description = "make_mini_source: a second cosine on the training lengths, their longest two weighted up"
+seed = 0
+
+[model]
+path = "$MODEL"
+
+[training]
+steps = $CONSOLIDATE_ARG
+local_batch_size = 16
+seq_len = $SEQ_LEN
+compile = false
+ac_mode = "none"
+attention_mask = "$ATTENTION_MASK"
+
+[recurrence]
+mean_recurrence = 1
+curriculum = "none"
+
+[optimizer]
+name = "adamw"
+adamw_lr = 1e-3
+adamw_weight_decay = 0.1
+adamw_eps = 1e-8
+
+[lr_scheduler]
+warmup_fraction = 0.05
+decay_fraction = 0.95
+min_lr_factor = 0.03
+
+[checkpoint]
+interval = 1000
+keep_latest_k = 1
+
+[data]
+tokenizer = "assets/tokenizer"
+[[data.sources]]
+path = "$OUT/task_$lengths/train.jsonl"
+kind = "jsonl"
+format = "prompt_completion"
+weight = 1.0
+
+[[data.sources]]
+path = "$OUT/task_$longest/train.jsonl"
+kind = "jsonl"
+format = "prompt_completion"
+weight = 1.0
+
+[metrics]
+log_freq = 100
+enable_tensorboard = false
+TOML
+  "$PY" -m titan_recur.train --config "$OUT/configs/consolidate.toml"
+  MODEL="$OUT/consolidate/final_model"
+fi
 if [ "$MARGINALS" = 1 ]; then
   cat > "$OUT/configs/marginals.toml" <<TOML
 [job]
@@ -175,7 +245,7 @@ description = "make_mini_source: 300 steps with the loss on every token"
 seed = 0
 
 [model]
-path = "$OUT/pretrain/final_model"
+path = "$MODEL"
 
 [training]
 steps = 300

@@ -387,8 +387,9 @@ def test_the_quoted_source_accuracy_is_the_source_evaluated(tmp_path: Path) -> N
         (["--install", "--task", "arith"], "not with --task arith"),
         (["--task", "mod10"], "--task takes perm or arith"),
         (["--attention-mask", "block"], "--attention-mask takes causal or document, got block"),
-        (["--threads", "0"], "--threads and --steps take an integer >= 1, got 0"),
-        (["--steps", "4k"], "--threads and --steps take an integer >= 1, got 4k"),
+        (["--threads", "0"], "--threads, --steps and --consolidate-steps take an integer >= 1, got 0"),
+        (["--steps", "4k"], "--threads, --steps and --consolidate-steps take an integer >= 1, got 4k"),
+        (["--consolidate-steps", "0"], "--threads, --steps and --consolidate-steps take an integer >= 1, got 0"),
     ],
 )
 def test_make_mini_source_refuses_a_bad_request_before_any_work(argv: list[str], message: str, tmp_path: Path) -> None:
