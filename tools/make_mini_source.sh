@@ -170,6 +170,52 @@ log_freq = 100
 enable_tensorboard = false
 TOML
 
+# continuation_config NAME DESCRIPTION STEPS DECAY_FRACTION MIN_LR_FACTOR CHECKPOINT_INTERVAL LOG_FREQ DATA_TOML:
+# OUT/configs/NAME.toml, a stage that trains $MODEL further (AdamW from lr 1e-3, one process, no recurrence).
+continuation_config() {
+  cat > "$OUT/configs/$1.toml" <<TOML
+[job]
+dump_folder = "$OUT/$1"
+description = "make_mini_source: $2"
+seed = 0
+
+[model]
+path = "$MODEL"
+
+[training]
+steps = $3
+local_batch_size = 16
+seq_len = $SEQ_LEN
+compile = false
+ac_mode = "none"
+attention_mask = "$ATTENTION_MASK"
+
+[recurrence]
+mean_recurrence = 1
+curriculum = "none"
+
+[optimizer]
+name = "adamw"
+adamw_lr = 1e-3
+adamw_weight_decay = 0.1
+adamw_eps = 1e-8
+
+[lr_scheduler]
+warmup_fraction = 0.05
+decay_fraction = $4
+min_lr_factor = $5
+
+[checkpoint]
+interval = $6
+keep_latest_k = 1
+
+$8
+[metrics]
+log_freq = $7
+enable_tensorboard = false
+TOML
+}
+
 "$PY" -m titan_recur.train --config "$OUT/configs/pretrain.toml"
 MODEL="$OUT/pretrain/final_model"
 if [ -n "$CONSOLIDATE_ARG" ]; then
@@ -180,109 +226,30 @@ if [ -n "$CONSOLIDATE_ARG" ]; then
   for eval_file in "$OUT/task_$lengths"/eval_*.jsonl; do  # same seed, same questions: the gate's stay held out
     cmp -s "$eval_file" "$OUT/task_$longest/${eval_file##*/}" || { echo "make_mini_source.sh: error: $OUT/task_$longest has other evaluation questions than $OUT/task_$lengths" >&2; exit 1; }
   done
-  cat > "$OUT/configs/consolidate.toml" <<TOML
-[job]
-dump_folder = "$OUT/consolidate"
-description = "make_mini_source: a second cosine on the training lengths, their longest two weighted up"
-seed = 0
-
-[model]
-path = "$MODEL"
-
-[training]
-steps = $CONSOLIDATE_ARG
-local_batch_size = 16
-seq_len = $SEQ_LEN
-compile = false
-ac_mode = "none"
-attention_mask = "$ATTENTION_MASK"
-
-[recurrence]
-mean_recurrence = 1
-curriculum = "none"
-
-[optimizer]
-name = "adamw"
-adamw_lr = 1e-3
-adamw_weight_decay = 0.1
-adamw_eps = 1e-8
-
-[lr_scheduler]
-warmup_fraction = 0.05
-decay_fraction = 0.95
-min_lr_factor = 0.03
-
-[checkpoint]
-interval = 1000
-keep_latest_k = 1
-
-[data]
-tokenizer = "assets/tokenizer"
+  continuation_config consolidate "a second cosine on the training lengths, their longest two weighted up" \
+    "$CONSOLIDATE_ARG" 0.95 0.03 1000 100 "[data]
+tokenizer = \"assets/tokenizer\"
 [[data.sources]]
-path = "$OUT/task_$lengths/train.jsonl"
-kind = "jsonl"
-format = "prompt_completion"
+path = \"$OUT/task_$lengths/train.jsonl\"
+kind = \"jsonl\"
+format = \"prompt_completion\"
 weight = 1.0
 
 [[data.sources]]
-path = "$OUT/task_$longest/train.jsonl"
-kind = "jsonl"
-format = "prompt_completion"
+path = \"$OUT/task_$longest/train.jsonl\"
+kind = \"jsonl\"
+format = \"prompt_completion\"
 weight = 1.0
-
-[metrics]
-log_freq = 100
-enable_tensorboard = false
-TOML
+"
   "$PY" -m titan_recur.train --config "$OUT/configs/consolidate.toml"
   MODEL="$OUT/consolidate/final_model"
 fi
 if [ "$MARGINALS" = 1 ]; then
-  cat > "$OUT/configs/marginals.toml" <<TOML
-[job]
-dump_folder = "$OUT/marginals"
-description = "make_mini_source: 300 steps with the loss on every token"
-seed = 0
-
-[model]
-path = "$MODEL"
-
-[training]
-steps = 300
-local_batch_size = 16
-seq_len = $SEQ_LEN
-compile = false
-ac_mode = "none"
-attention_mask = "$ATTENTION_MASK"
-
-[recurrence]
-mean_recurrence = 1
-curriculum = "none"
-
-[optimizer]
-name = "adamw"
-adamw_lr = 1e-3
-adamw_weight_decay = 0.1
-adamw_eps = 1e-8
-
-[lr_scheduler]
-warmup_fraction = 0.05
-decay_fraction = 0.5
-min_lr_factor = 0.1
-
-[checkpoint]
-interval = 300
-keep_latest_k = 1
-
-[data]
+  continuation_config marginals "300 steps with the loss on every token" 300 0.5 0.1 300 50 "[data]
 [[data.sources]]
-path = "$OUT/task_1-6/train.jsonl"
-kind = "jsonl"
-
-[metrics]
-log_freq = 50
-enable_tensorboard = false
-TOML
+path = \"$OUT/task_1-6/train.jsonl\"
+kind = \"jsonl\"
+"
   "$PY" -m titan_recur.train --config "$OUT/configs/marginals.toml"
   MODEL="$OUT/marginals/final_model"
 fi
