@@ -5,6 +5,7 @@
 #
 #   bash tools/reproduce_mini.sh [--quick] [--seeds 0,1,2] [--steps N] [--eval-examples N] [--out DIR] [--task perm|arith]
 #                                [--source HF_FOLDER] [--surgery "CONVERT FLAGS"] [--static-factors "1 2 4" | --static-factors ""]
+#                                [--resume]
 #
 # Stages (fixed seeds, offline; each training run is one process of one thread, two runs at a time):
 #   1. task     tools/make_depth_task.py: the permutation word problem (8 states, two fixed permutations
@@ -28,6 +29,11 @@
 # --surgery replaces --shape 1,2,1 in the recurrent conversion (e.g. "--prelude 0 --core 1-2 --coda 5",
 # docs/surgery.md's study; checked by a dry run of that conversion before --out is touched);
 # --static-factors chooses the static arms ("" for none).
+# --resume: continue an earlier call on the same --out with the same arguments (and source weights; one line
+# and exit 2 otherwise): its finished stages are kept, an unfinished training run continues from its latest
+# checkpoint. Ctrl-C or SIGTERM to the script's process group (as Slurm's scancel or preemption sends) makes
+# every training run write a checkpoint and exit; those extra checkpoints are removed once the runs finish.
+# Without --resume every call starts over. timings.tsv's total is the wall time of every call together.
 # --quick: seed 0, 120 steps, the 1x static arm, 50 questions per length 7-12 (long chains only),
 # r = 1 and 4, both runs on 2 ranks (torchrun + gloo + FSDP2): the test suite's run, which asserts the
 # effect's direction on it.
@@ -35,6 +41,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 QUICK=0
+RESUME=0
 OUT=outputs/mini
 TASK=perm
 SOURCE=
@@ -42,6 +49,7 @@ SEEDS_ARG= STEPS_ARG= EVAL_ARG= SURGERY= FACTORS_ARG=unset
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
+    --resume) RESUME=1 ;;
     --seeds) SEEDS_ARG=${2:?--seeds needs a list of seeds}; shift ;;
     --task) TASK=${2:?--task needs perm or arith}; shift ;;
     --steps) STEPS_ARG=${2:?--steps needs a number}; shift ;;
@@ -50,7 +58,7 @@ while [ $# -gt 0 ]; do
     --source) SOURCE=${2:?--source needs an HF model folder}; shift ;;
     --surgery) SURGERY=${2:?--surgery needs convert_hf.py flags}; shift ;;
     --static-factors) FACTORS_ARG=${2?--static-factors needs a list}; shift ;;
-    -h|--help) sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "reproduce_mini.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -102,13 +110,32 @@ for value in $FACTORS; do
   [[ "$value" =~ ^[1-9][0-9]*$ ]] || { echo "reproduce_mini.sh: error: --static-factors takes integers >= 1, got $value" >&2; exit 2; }
 done
 
-if [ -e "$OUT" ] && [ ! -f "$OUT/timings.tsv" ] && [ -n "$(ls -A "$OUT")" ]; then
+if [ "$RESUME" = 0 ] && [ -e "$OUT" ] && [ ! -f "$OUT/timings.tsv" ] && [ -n "$(ls -A "$OUT")" ]; then
   echo "reproduce_mini.sh: error: $OUT exists and is not an earlier output of this script; choose another --out" >&2
   exit 2
 fi
 if [ ! -f "$SOURCE/config.json" ]; then
   echo "reproduce_mini.sh: error: --source $SOURCE: no HF model folder (config.json)" >&2
   exit 2
+fi
+# What a call computes from: --resume continues only the same (the source by its weights' SHA-256).
+SETTINGS=$(printf '%s\n' "task=$TASK" "source=$SOURCE" \
+  "source_sha256=$(cat "$SOURCE"/*.safetensors | sha256sum | cut -d' ' -f1)" "surgery=${SURGERY:---shape $SHAPE}" \
+  "seeds=$SEEDS" "steps=$STEPS" "eval_examples=$EVAL_EXAMPLES" "static_factors=$FACTORS" "quick=$QUICK")
+if [ "$RESUME" = 1 ]; then
+  if [ ! -f "$OUT/settings.txt" ] || [ ! -f "$OUT/timings.tsv" ]; then
+    echo "reproduce_mini.sh: error: --resume: $OUT holds no earlier call of this script (settings.txt, timings.tsv); run without --resume" >&2
+    exit 2
+  fi
+  EARLIER=$(cat "$OUT/settings.txt")
+  if [ "$EARLIER" != "$SETTINGS" ]; then
+    CHANGED=$(comm -3 <(sort <<< "$EARLIER") <(sort <<< "$SETTINGS") | awk -F'\t' '
+      {i = index($1 $2, "="); key = substr($1 $2, 1, i - 1); value = "\"" substr($1 $2, i + 1) "\""}
+      $1 != "" {was[key] = value} $2 != "" {now[key] = value; keys[++n] = key}
+      END {for (j = 1; j <= n; j++) printf "%s%s %s, now %s", (j > 1 ? "; " : ""), keys[j], was[keys[j]], now[keys[j]]}')
+    echo "reproduce_mini.sh: error: --resume: $OUT was made with other settings ($CHANGED); rerun with the earlier ones, or without --resume to start over" >&2
+    exit 2
+  fi
 fi
 # The recurrent conversion's flags (--surgery) on the source, as a dry run, before $OUT is replaced.
 DRY_RUN_OUT=$(mktemp -d)
@@ -120,15 +147,43 @@ if ! CONVERT_ERROR=$("$PY" tools/convert_hf.py "$SOURCE" "$DRY_RUN_OUT/recurrent
   exit 2
 fi
 rmdir "$DRY_RUN_OUT"
-rm -rf "$OUT"
-mkdir -p "$OUT/configs" "$OUT/logs"
-TIMINGS="$OUT/timings.tsv"
+TIMINGS="$OUT/timings.tsv" CALLS="$OUT/calls.tsv"
+if [ "$RESUME" = 0 ]; then
+  rm -rf "$OUT"
+  mkdir -p "$OUT/configs" "$OUT/logs"
+  echo "$SETTINGS" > "$OUT/settings.txt"
+  printf 'stage\twall_s\tuser_s\tsys_s\n' > "$TIMINGS"
+  printf 'start_utc\tend_utc\twall_s\texit\n' > "$CALLS"
+else
+  sed -i '/^total\t/d' "$TIMINGS"
+fi
 START=$(date +%s.%N)
-printf 'stage\twall_s\tuser_s\tsys_s\n' > "$TIMINGS"
+# Every call's wall time, however it ends (a signal, a failed stage), for the total.
+record_call() {
+  local status=$?
+  local end; end=$(date +%s.%N)
+  printf '%s\t%s\t%s\t%d\n' "$(date -u -d "@$START" +%FT%TZ)" "$(date -u -d "@$end" +%FT%TZ)" \
+    "$(awk -v t0="$START" -v t1="$end" 'BEGIN {printf "%.1f", t1 - t0}')" "$status" >> "$CALLS"
+}
+trap record_call EXIT
+# Ctrl-C or SIGTERM: every training run writes a checkpoint and exits (the trainer's preemption handling); wait for them.
+stop_on_signal() {
+  trap '' INT TERM
+  echo "reproduce_mini.sh: stopped by a signal; the training runs write a checkpoint and exit. Continue with the same arguments and --resume" >&2
+  local jobs; jobs=$(jobs -p | paste -sd, -)
+  [ -z "$jobs" ] || pkill -TERM -P "$jobs" || true
+  wait
+  exit 130
+}
+trap stop_on_signal INT TERM
 
 # stage NAME CMD...: run CMD; append its wall and CPU seconds (user, system; children included) to timings.tsv.
+# A stage finished by an earlier call (its row in timings.tsv; only with --resume) is kept.
 stage() {
   local name=$1; shift
+  if awk -F'\t' -v name="$name" '$1 == name {found = 1} END {exit !found}' "$TIMINGS"; then
+    echo "== $name: finished by an earlier call, kept" >&2; return
+  fi
   echo "== $name: $*" >&2
   local t0 c0
   t0=$(date +%s.%N)
@@ -161,7 +216,8 @@ JOBS=0
 in_background() {
   if [ "$RANKS" = 2 ]; then stage "train_$1" train "$1"; return; fi
   if [ "$JOBS" -ge 2 ]; then wait -n || { echo "reproduce_mini.sh: error: a training run failed" >&2; exit 1; }; JOBS=$(( JOBS - 1 )); fi
-  stage "train_$1" train "$1" > "$OUT/logs/$1.log" 2>&1 &
+  # The run's own shell outlives a signal (trap :) until its trainer has written its checkpoint and exited.
+  (trap : INT TERM; stage "train_$1" train "$1") >> "$OUT/logs/$1.log" 2>&1 &
   JOBS=$(( JOBS + 1 ))
 }
 finish() {
@@ -240,8 +296,11 @@ done
 STATIC_RECURRENCE="mean_recurrence = 1
 curriculum = \"none\""
 write_config static_match "$OUT/models/static" 1 0 "$STATIC_RECURRENCE"
-stage match "$PY" tools/flops.py --config "$OUT/configs/recurrent_s$FIRST_SEED.toml" --world-size "$RANKS" \
-  --match "$OUT/configs/static_match.toml" --json > "$OUT/flops_match.json"
+match_flops() {
+  "$PY" tools/flops.py --config "$OUT/configs/recurrent_s$FIRST_SEED.toml" --world-size "$RANKS" \
+    --match "$OUT/configs/static_match.toml" --json > "$OUT/flops_match.json"
+}
+stage match match_flops
 MATCHED=$("$PY" -c 'import json, sys
 m = json.load(open(sys.argv[1]))["matched_steps"]; print(round(m["paper"]), round(m["full"]))' "$OUT/flops_match.json")
 read -r STATIC_STEPS STATIC_STEPS_FULL <<< "$MATCHED"
@@ -259,6 +318,18 @@ done
 for seed in $SEED_LIST; do in_background "recurrent_s$seed"; done
 for name in "${STATIC[@]:1}"; do in_background "$name"; done
 finish
+# Checkpoints written on a signal served only to resume; the comparison evaluates the planned ones (halfway, last).
+for run in "${RUNS[@]}"; do
+  read -r STEPS_OF_RUN INTERVAL < <(awk -F' = ' '$1 == "steps" {s = $2} $1 == "interval" {i = $2} END {print s, i}' \
+    "$OUT/configs/${run##*/}.toml")
+  for checkpoint in "$run"/checkpoints/step-*; do
+    step=${checkpoint##*step-}
+    if [ -d "$checkpoint" ] && (( step % INTERVAL != 0 && step != STEPS_OF_RUN )); then
+      echo "removing $checkpoint: written on a signal to resume from, not one the comparison evaluates" >&2
+      rm -rf "$checkpoint"
+    fi
+  done
+done
 
 TASKS=$(ls "$OUT/task/${TASK}"_[0-9]*.yaml | awk -F"${TASK}_" '{print $NF "\t" $0}' | sort -n | cut -f2 | paste -sd, -)  # by length
 stage compare "$PY" tools/compare.py "${RUNS[@]}" --task "$TASKS" --data "$OUT/task/validation.jsonl" \
@@ -267,8 +338,9 @@ stage compare "$PY" tools/compare.py "${RUNS[@]}" --task "$TASKS" --data "$OUT/t
 stage summarize "$PY" tools/summarize_mini.py "$OUT/compare/compare.json" --task "$OUT/task/task.json" \
   --out "$OUT/summary"
 
-# total: the elapsed wall time (training runs overlap, two at a time) and the CPU seconds of every stage.
-awk -F'\t' -v wall="$(awk -v t0="$START" -v t1="$(date +%s.%N)" 'BEGIN {print t1 - t0}')" \
+# total: the elapsed wall time of every call (training runs overlap, two at a time) and the CPU seconds of every stage.
+EARLIER_CALLS=$(awk -F'\t' 'NR > 1 {w += $3} END {print w + 0}' "$CALLS")
+awk -F'\t' -v wall="$(awk -v t0="$START" -v t1="$(date +%s.%N)" -v w="$EARLIER_CALLS" 'BEGIN {print t1 - t0 + w}')" \
   'NR > 1 {u += $3; s += $4} END {printf "total\t%.1f\t%.1f\t%.1f\n", wall, u, s}' "$TIMINGS" >> "$TIMINGS"
 echo
 column -t -s $'\t' "$TIMINGS"
@@ -278,5 +350,5 @@ Done. Compute-matched static steps: $STATIC_STEPS (paper convention), $STATIC_ST
   summary:  $OUT/summary/summary.md ($OUT/summary/summary.json, $OUT/summary/*.png)
   tables:   $OUT/compare/compare.md ($OUT/compare/compare.json), per chain length and run
   runs:     $OUT/runs/{recurrent_s*,static_x*_s*} (metrics.jsonl, checkpoints/, final_model/)
-  timings:  $TIMINGS (wall and CPU seconds per stage; training stages overlap, total is the elapsed wall)
+  timings:  $TIMINGS (wall and CPU seconds per stage; training stages overlap, total is the elapsed wall of every call: $CALLS)
 TXT
