@@ -454,3 +454,32 @@ def test_out_keeps_an_earlier_result_without_force(tiny_run, tmp_path, capsys) -
         assert compare_into(tiny_run, target, "--force") == 2
         assert words in capsys.readouterr().err
     assert (out / "compare.json").read_text() == '{"other": 1}\n' and (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
+def test_the_loss_packs_rows_as_the_run_trained(tiny_run, tmp_path) -> None:
+    """A run trained with training.attention_mask = "document" is scored on rows packed the same way: each
+    document attends to itself, positions restarting (it was always "causal", whatever the run trained with)."""
+    from titan_recur.eval.sweep import heldout_batches, loss_sweep
+
+    losses = {}
+    for mask in ("causal", "document"):
+        run = tmp_path / mask
+        shutil.copytree(tiny_run, run)
+        config = json.loads((run / "config.json").read_text())
+        config["training"]["attention_mask"] = mask
+        (run / "config.json").write_text(json.dumps(config))
+        assert compare_into(run, tmp_path / f"out_{mask}", "--seq-len", "128") == 0
+        report = json.loads((tmp_path / f"out_{mask}" / "compare.json").read_text())
+        losses[mask] = report["runs"][0]["points"][0]["results"]["1"]["loss"]
+    model = load_model(tiny_run / "final_model")
+    batches = heldout_batches(
+        load_tokenizer(tiny_run / "final_model"),
+        seq_len=128,
+        batch_size=1,
+        num_batches=1,
+        data=str(REPO / "assets" / "corpus" / "math.jsonl"),
+        attention_mask="document",
+    )
+    expected = loss_sweep(model, batches, [1], "cpu")["loss"]["1"]
+    assert losses["document"] == pytest.approx(expected, abs=1e-6)
+    assert abs(losses["document"] - losses["causal"]) > 1e-3, losses

@@ -229,6 +229,7 @@ def _loss_batches(lm: Any, run: Run, settings: EvalSettings) -> list:
             data=settings.data,
             text_field=settings.text_field,
             data_format=settings.data_format,
+            attention_mask=run.config.training.attention_mask,  # rows packed as the run trained on them
         )
     )
 
