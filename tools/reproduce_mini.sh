@@ -5,7 +5,7 @@
 #
 #   bash tools/reproduce_mini.sh [--quick] [--seeds 0,1,2] [--steps N] [--eval-examples N] [--out DIR] [--task perm|arith]
 #                                [--source HF_FOLDER] [--surgery "CONVERT FLAGS"] [--static-factors "1 2 4" | --static-factors ""]
-#                                [--resume]
+#                                [--attention-mask causal|document] [--resume]
 #
 # Stages (fixed seeds, offline; each training run is one process of one thread, two runs at a time):
 #   1. task     tools/make_depth_task.py: the permutation word problem (8 states, two fixed permutations
@@ -28,7 +28,9 @@
 # source pretrained on it (bash tools/make_mini_source.sh --task arith, then --source OUT/hf).
 # --surgery replaces --shape 1,2,1 in the recurrent conversion (e.g. "--prelude 0 --core 1-2 --coda 5",
 # docs/surgery.md's study; checked by a dry run of that conversion before --out is touched);
-# --static-factors chooses the static arms ("" for none).
+# --static-factors chooses the static arms ("" for none). --attention-mask: every run's training.attention_mask
+# (and so the comparison's loss); "document" for a source pretrained with it (make_mini_source.sh
+# --attention-mask document), so post-training packs questions as its pretraining did (default causal).
 # --resume: continue an earlier call on the same --out with the same arguments (and source weights; one line
 # and exit 2 otherwise): its finished stages are kept, an unfinished training run continues from its latest
 # checkpoint. Ctrl-C or SIGTERM to the script's process group (as Slurm's scancel or preemption sends) makes
@@ -45,7 +47,7 @@ RESUME=0
 OUT=outputs/mini
 TASK=perm
 SOURCE=
-SEEDS_ARG= STEPS_ARG= EVAL_ARG= SURGERY= FACTORS_ARG=unset
+SEEDS_ARG= STEPS_ARG= EVAL_ARG= SURGERY= FACTORS_ARG=unset ATTENTION_MASK=causal
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -58,7 +60,8 @@ while [ $# -gt 0 ]; do
     --source) SOURCE=${2:?--source needs an HF model folder}; shift ;;
     --surgery) SURGERY=${2:?--surgery needs convert_hf.py flags}; shift ;;
     --static-factors) FACTORS_ARG=${2?--static-factors needs a list}; shift ;;
-    -h|--help) sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --attention-mask) ATTENTION_MASK=${2:?--attention-mask needs a mask}; shift ;;
+    -h|--help) sed -n '2,42p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "reproduce_mini.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -91,6 +94,11 @@ esac
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TORCHINDUCTOR_CACHE_DIR="$PWD/.cache/inductor"
 PY=.venv/bin/python
+MASKS=$("$PY" -c 'import typing; from titan_recur.config.schema import AttentionMask; print(*typing.get_args(AttentionMask))')
+if ! [[ " $MASKS " == *" $ATTENTION_MASK "* ]]; then
+  echo "reproduce_mini.sh: error: --attention-mask takes one of: $MASKS; got $ATTENTION_MASK" >&2
+  exit 2
+fi
 SHAPE=1,2,1
 MEAN=4
 if [ "$QUICK" = 1 ]; then
@@ -121,7 +129,8 @@ fi
 # What a call computes from: --resume continues only the same (the source by its weights' SHA-256).
 SETTINGS=$(printf '%s\n' "task=$TASK" "source=$SOURCE" \
   "source_sha256=$(cat "$SOURCE"/*.safetensors | sha256sum | cut -d' ' -f1)" "surgery=${SURGERY:---shape $SHAPE}" \
-  "seeds=$SEEDS" "steps=$STEPS" "eval_examples=$EVAL_EXAMPLES" "static_factors=$FACTORS" "quick=$QUICK")
+  "seeds=$SEEDS" "steps=$STEPS" "eval_examples=$EVAL_EXAMPLES" "static_factors=$FACTORS" \
+  "attention_mask=$ATTENTION_MASK" "quick=$QUICK")
 if [ "$RESUME" = 1 ]; then
   if [ ! -f "$OUT/settings.txt" ] || [ ! -f "$OUT/timings.tsv" ]; then
     echo "reproduce_mini.sh: error: --resume: $OUT holds no earlier call of this script (settings.txt, timings.tsv); run without --resume" >&2
@@ -246,6 +255,7 @@ global_batch_size = 16
 seq_len = $SEQ_LEN
 compile = false
 ac_mode = "none"
+attention_mask = "$ATTENTION_MASK"
 
 [recurrence]
 $5
