@@ -111,9 +111,7 @@ def test_the_effect_reproduces_on_its_own_run(mini: Path, report: dict) -> None:
 
 
 def test_pipeline_stages_and_matched_steps(mini: Path, report: dict) -> None:
-    with (mini / "timings.tsv").open() as f:
-        stages = [row["stage"] for row in csv.DictReader(f, delimiter="\t")]
-    assert stages == [
+    assert csv_stages(mini) == [
         "task",
         "convert_recurrent",
         "convert_static",
@@ -136,6 +134,56 @@ def test_pipeline_stages_and_matched_steps(mini: Path, report: dict) -> None:
         for point in run["points"]:
             for entry in point["results"].values():
                 assert set(entry["tasks"]) == set(TASKS) and all(0 <= entry["tasks"][t][METRIC] <= 1 for t in TASKS)
+
+
+def test_a_resumed_call_ends_with_the_uninterrupted_result(mini: Path, report: dict, tmp_path: Path) -> None:
+    """reproduce_mini.sh --resume after a call stopped in the static run's second half (its final model, later
+    checkpoints and the later stages' rows removed): the finished stages are kept, the run continues from its
+    halfway checkpoint, and the comparison equals the uninterrupted call's. In place (a checkpoint names its
+    data by path), then the uninterrupted output is put back for the other tests."""
+    uninterrupted = tmp_path / "uninterrupted"
+    shutil.copytree(mini, uninterrupted)
+    try:
+        resume_after_an_interruption(mini, report)
+    finally:
+        shutil.rmtree(mini)
+        uninterrupted.rename(mini)
+
+
+def resume_after_an_interruption(out: Path, report: dict) -> None:
+    stages_before = csv_stages(out)
+    run = out / "runs" / "static_x1_s0"
+    steps = sorted(int(p.name.removeprefix("step-")) for p in (run / "checkpoints").glob("step-*"))
+    shutil.rmtree(run / "final_model")
+    for step in steps[1:]:  # the planned checkpoints after the first (halfway, rounded down) and the last
+        shutil.rmtree(run / "checkpoints" / f"step-{step}")
+    for folder in ("compare", "summary"):
+        shutil.rmtree(out / folder)
+    later = ("train_static_x1_s0", "compare", "summarize", "total")
+    rows = (out / "timings.tsv").read_text().splitlines(keepends=True)
+    (out / "timings.tsv").write_text("".join(row for row in rows if row.split("\t")[0] not in later))
+    proc = subprocess.run(
+        ["bash", "tools/reproduce_mini.sh", "--quick", "--resume", "--out", str(out)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for stage in ("task", "convert_recurrent", "convert_static", "match", "train_recurrent_s0"):
+        assert f"== {stage}: finished by an earlier call, kept" in proc.stderr
+    assert f"resumed from {run / 'checkpoints' / f'step-{steps[0]}'} at step {steps[0]}" in proc.stdout
+    resumed = json.loads((out / "compare" / "compare.json").read_text())
+    assert [r["points"] for r in resumed["runs"]] == [r["points"] for r in report["runs"]]
+    assert sorted(csv_stages(out)) == sorted(stages_before)  # each stage once
+    calls = (out / "calls.tsv").read_text().splitlines()
+    assert len(calls) == 3 and calls[-1].endswith("\t0")  # the header, the first call and this one
+
+
+def csv_stages(folder: Path) -> list[str]:
+    with (folder / "timings.tsv").open() as f:
+        return [row["stage"] for row in csv.DictReader(f, delimiter="\t")]
 
 
 def test_flops_equal_tools_flops_and_the_paper_formula(mini: Path, report: dict, capsys: pytest.CaptureFixture) -> None:

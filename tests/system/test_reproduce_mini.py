@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -422,3 +425,85 @@ def test_reproduce_mini_checks_its_surgery_before_any_work(surgery: str, message
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("reproduce_mini.sh: error: --surgery") and message in result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["timings.tsv"]
+
+
+def perm_settings(**changed: str) -> str:
+    """settings.txt as tools/reproduce_mini.sh writes it for its defaults (perm on assets/perm_llama)."""
+    source = REPO / "assets" / "perm_llama"
+    weights = b"".join(p.read_bytes() for p in sorted(source.glob("*.safetensors")))
+    settings = {
+        "task": "perm",
+        "source": "assets/perm_llama",
+        "source_sha256": hashlib.sha256(weights).hexdigest(),
+        "surgery": "--shape 1,2,1",
+        "seeds": "0,1,2",
+        "steps": "400",
+        "eval_examples": "100",
+        "static_factors": "1 2 4",
+        "attention_mask": "causal",
+        "quick": "0",
+    }
+    return "".join(f"{key}={value}\n" for key, value in {**settings, **changed}.items())
+
+
+@pytest.mark.parametrize(
+    "earlier, argv, message",
+    [
+        (None, [], "holds no earlier call of this script (settings.txt, timings.tsv); run without --resume"),
+        (perm_settings(), ["--steps", "300"], 'other settings (steps "400", now "300"); rerun with the earlier ones'),
+        (
+            perm_settings(source_sha256="0" * 64),
+            ["--attention-mask", "document"],
+            f'source_sha256 "{"0" * 64}", now "{perm_settings().split("source_sha256=")[1].split()[0]}"',
+        ),
+        (perm_settings(), ["--attention-mask", "block"], "--attention-mask takes one of: causal document; got block"),
+    ],
+)
+def test_reproduce_mini_resumes_only_what_it_was_asked_before(
+    earlier: str | None, argv: list[str], message: str, tmp_path: Path
+) -> None:
+    """--resume continues an earlier call only with the same settings and source weights: otherwise one line
+    naming what changed, exit 2, and the earlier output untouched."""
+    out = tmp_path / "mini"
+    out.mkdir()
+    (out / "timings.tsv").write_text("stage\twall_s\tuser_s\tsys_s\ntask\t1.0\t1.0\t0.0\n")
+    if earlier is not None:
+        (out / "settings.txt").write_text(earlier)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    result = subprocess.run(
+        ["bash", "tools/reproduce_mini.sh", "--out", str(out), "--resume", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("reproduce_mini.sh: error: ") and message in result.stderr, result.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.slow
+def test_a_signal_stops_the_call_and_resume_finishes_it(tmp_path: Path) -> None:
+    """SIGTERM to the script's process group once the run's halfway checkpoint is written (the event, not a
+    delay): exit 130 with the one line saying how to continue, the call's time recorded; --resume then finishes
+    with every stage once and only the planned checkpoints (a checkpoint written on the signal is removed)."""
+    out = tmp_path / "mini"
+    argv = ["bash", "tools/reproduce_mini.sh", "--seeds", "0", "--steps", "8", "--eval-examples", "1"]
+    argv += ["--static-factors", "", "--out", str(out)]
+    log = tmp_path / "first.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        halfway = out / "runs" / "recurrent_s0" / "checkpoints" / "step-4"
+        while proc.poll() is None and not halfway.is_dir():
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=900) == 130, log.read_text()[-3000:]
+    assert "stopped by a signal" in log.read_text() and "--resume" in log.read_text()
+    assert (out / "calls.tsv").read_text().splitlines()[-1].endswith("\t130")
+    resumed = subprocess.run([*argv, "--resume"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    checkpoints = sorted(p.name for p in (out / "runs" / "recurrent_s0" / "checkpoints").glob("step-*"))
+    assert checkpoints == ["step-4", "step-8"]
+    stages = [line.split("\t")[0] for line in (out / "timings.tsv").read_text().splitlines()[1:]]
+    assert stages[:4] == ["task", "convert_recurrent", "convert_static", "match"] and stages[-1] == "total"
+    assert sorted(stages[4:-1]) == ["compare", "summarize", "train_recurrent_s0"]
+    assert (out / "summary" / "summary.json").is_file()
