@@ -76,7 +76,11 @@ def build_parser() -> OneLineParser:
     what.add_argument(
         "--task", help="comma-separated lm-eval task names, globs or YAML files (a group file runs its tasks)"
     )
-    what.add_argument("--data", help="held-out file for the loss: .jsonl/.json, .parquet, else plain text")
+    what.add_argument(
+        "--data",
+        help="held-out file for the loss: .jsonl/.json, .parquet, else plain text; packed into rows as each run "
+        "trained (its training.attention_mask)",
+    )
     harness = p.add_argument_group("harness")
     harness.add_argument(
         "--metric",
