@@ -531,3 +531,30 @@ def test_the_loss_packs_rows_as_the_run_trained(tiny_run, tmp_path) -> None:
     expected = loss_sweep(model, batches, [1], "cpu")["loss"]["1"]
     assert losses["document"] == pytest.approx(expected, abs=1e-6)
     assert abs(losses["document"] - losses["causal"]) > 1e-3, losses
+
+
+def test_workers_give_the_same_report(tiny_run, depth_task, tmp_path, capsys) -> None:
+    """--workers 2 evaluates the models in two spawned processes: the report equals one process's, number for
+    number; a model that fails to load in a worker fails the command with its one line (exit 2), the models not
+    started are dropped."""
+    runs = []
+    for name in ("a", "b", "c"):
+        shutil.copytree(tiny_run, tmp_path / name)
+        runs.append(str(tmp_path / name))
+    data = str(REPO / "assets" / "corpus" / "math.jsonl")
+    argv = [*runs, "--task", str(depth_task / "perm_7.yaml"), "--limit", "4", "--max-gen-toks", "2"]
+    argv += ["--data", data, "--recurrences", "1,2", "--loss-batches", "1", "--loss-batch-size", "2", "--seq-len", "32"]
+    reports = {}
+    for workers in ("1", "2"):
+        assert compare_command.main([*argv, "--workers", workers, "--out", str(tmp_path / workers)]) == 0
+        reports[workers] = json.loads((tmp_path / workers / "compare.json").read_text())
+    assert reports["2"] == reports["1"]
+    assert {"loss", "tasks"} <= set(reports["1"]["runs"][2]["points"][0]["results"]["2"])
+    weights = tmp_path / "b" / "final_model" / "model.safetensors"
+    data_bytes = bytearray(weights.read_bytes())
+    data_bytes[-64:] = bytes(64)  # same size, other weights: the checksum fails when a worker loads them
+    weights.write_bytes(bytes(data_bytes))
+    capsys.readouterr()
+    assert exit_code(compare_command.main, [*argv, "--workers", "2", "--out", str(tmp_path / "broken")]) == 2
+    assert "model.safetensors: checksum mismatch" in capsys.readouterr().err
+    assert not (tmp_path / "broken" / "compare.json").exists()
