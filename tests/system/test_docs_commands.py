@@ -220,7 +220,8 @@ def problems_of(command: Command, help_texts: dict) -> list[str]:
                 problems.append(f"{program.target} printed no --help")
                 continue
         for token in program.args:
-            if token.startswith("--") and len(token) > 2 and not _is_placeholder(token):
+            # A quoted value holding flags (--surgery "--shape 3,6,3") has spaces; a flag never does.
+            if token.startswith("--") and len(token) > 2 and " " not in token and not _is_placeholder(token):
                 flag = token.split("=", 1)[0]
                 if trainer_args and "." in flag:
                     try:
@@ -317,6 +318,9 @@ RUN_ELSEWHERE = {
     "tests/system/test_reproduce_mini.py (the build takes 11 min on one core)",
     "bash tools/reproduce_mini.sh --source outputs/perm_6k_t1/hf --out outputs/mini_6k": "its --quick form, "
     "tests/cli/test_compare.py (the same stages from another source; the full form takes 17 min)",
+    'bash tools/reproduce_mini.sh --task arith --source outputs/arith_doc_12l_16k/hf --surgery "--shape 3,6,3" '
+    "--attention-mask document --out outputs/mini_arith_doc": "its stages on tiny counts: "
+    "tests/system/test_reproduce_mini.py::test_a_signal_stops_the_call_and_resume_finishes_it (the full form takes hours)",
     "bash tools/reproduce_mini.sh --task arith --source outputs/arith_src/hf --out outputs/mini_arith": "the perm "
     "task's --quick form, tests/cli/test_compare.py (the same stages; the full arith form takes 78 min)",
     "OMP_NUM_THREADS=1 python tools/bench_generate.py speculative --checkpoint "
