@@ -21,9 +21,9 @@
 #               steps of 16 x 64 tokens), and the static arm at 1x, 2x and 4x the matched FLOPs (same data,
 #               optimizer and schedule shape)
 #   5. compare  tools/compare.py: exact match per chain length (harness, greedy generation) and the
-#               answer-only held-out loss at r = 1..32 for every run (two processes of one thread, as in
-#               training); tools/summarize_mini.py: the tables with means over seeds and 95% intervals, and
-#               the headline plots, in OUT/summary
+#               answer-only held-out loss at r = 1..32 for every run (one process: decoding 100 questions at
+#               r = 32 on the 12-layer arith source peaks near 20 GB); tools/summarize_mini.py: the tables with
+#               means over seeds and 95% intervals, and the headline plots, in OUT/summary
 # --seeds: the seeds of every arm (default 0,1,2). --task arith: the variable-binding arithmetic task
 # (`a = 3 ; b = a + 5 ; c = b * 7 ; c mod 10 ?`, rows of 160 tokens, the loss on the answers only) on a
 # source pretrained on it (bash tools/make_mini_source.sh --task arith, then --source OUT/hf).
@@ -345,7 +345,7 @@ done
 TASKS=$(ls "$OUT/task/${TASK}"_[0-9]*.yaml | awk -F"${TASK}_" '{print $NF "\t" $0}' | sort -n | cut -f2 | paste -sd, -)  # by length
 stage compare "$PY" tools/compare.py "${RUNS[@]}" --task "$TASKS" --data "$OUT/task/validation.jsonl" \
   --format prompt_completion --loss-batches "$LOSS_BATCHES" --recurrences "$RECURRENCES" --checkpoints \
-  --batch-size 100 --max-gen-toks 2 --workers 2 --out "$OUT/compare"
+  --batch-size 100 --max-gen-toks 2 --out "$OUT/compare"
 stage summarize "$PY" tools/summarize_mini.py "$OUT/compare/compare.json" --task "$OUT/task/task.json" \
   --out "$OUT/summary"
 
